@@ -1,0 +1,15 @@
+"""lowtrain: FP16 and FP8 training in JAX, as easy as FP32."""
+
+from . import _compat
+
+_compat.check_version()
+
+from ._interpret import Interpreter as Interpreter  # noqa: E402
+from ._interpret import register_higher_order as register_higher_order  # noqa: E402
+from .amp import DEFAULT_RULES as DEFAULT_RULES  # noqa: E402
+from .amp import Policy as Policy  # noqa: E402
+from .amp import amp as amp  # noqa: E402
+from .amp import amp_stop as amp_stop  # noqa: E402
+from .amp import get_policy as get_policy  # noqa: E402
+
+__version__ = "0.1.0"

@@ -1,0 +1,110 @@
+"""Every use of JAX internals (`jax._src`, `jax.extend`) in lowtrain lives here.
+
+The rest of the package imports these names from this module only. Each block states the
+JAX versions it was checked against; `tests/test_compat.py` fails loudly when a primitive's
+parameters change under us, so a JAX upgrade cannot silently mis-transform a program.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+# JAX 0.10 and 0.11: `jax.extend.core` exposes the primitives of every higher-order op.
+# The jit primitive was called `pjit` before JAX 0.7 and `jit` since; the remat primitive
+# is `remat2` (its Python name `remat_p`). We only support JAX >= 0.10 (see pyproject).
+from jax.extend.core import ClosedJaxpr as ClosedJaxpr
+from jax.extend.core import Jaxpr as Jaxpr
+from jax.extend.core import JaxprEqn as JaxprEqn
+from jax.extend.core import Literal as Literal
+from jax.extend.core import Primitive as Primitive
+from jax.extend.core import Var as Var
+from jax.extend.core import jaxprs_in_params as jaxprs_in_params
+from jax.extend.core.primitives import cond_p as cond_p
+from jax.extend.core.primitives import custom_jvp_call_p as custom_jvp_call_p
+from jax.extend.core.primitives import custom_vjp_call_p as custom_vjp_call_p
+from jax.extend.core.primitives import jit_p as jit_p
+from jax.extend.core.primitives import remat_p as remat_p
+from jax.extend.core.primitives import scan_p as scan_p
+from jax.extend.core.primitives import while_p as while_p
+
+# JAX 0.10 and 0.11: a name stack is a tuple of `Scope` (from `jax.named_scope`) and
+# `Transform` (jvp, transpose, ...) entries; the name stack of an equation inside a
+# sub-jaxpr is relative to the equation that holds it.
+from jax._src.source_info_util import Scope as _Scope
+
+# JAX 0.10 and 0.11: a custom_vjp backward rule may return `ad_util.Zero` placeholders
+# for inputs that get no cotangent.
+from jax._src.ad_util import Zero as _Zero
+
+# The parameters lowtrain reads or rebuilds for each higher-order primitive. Checked
+# against JAX 0.10.2 and 0.11.2; `tests/test_compat.py` compares them with what the
+# installed JAX emits.
+EXPECTED_PARAMS: dict[str, frozenset[str]] = {
+    "jit": frozenset({"jaxpr", "name", "inline", "keep_unused"}),
+    "scan": frozenset({"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}),
+    "while": frozenset({"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"}),
+    "cond": frozenset({"branches"}),
+    "remat2": frozenset({"jaxpr", "prevent_cse", "policy"}),
+    "custom_jvp_call": frozenset(
+        {"call_jaxpr", "jvp_jaxpr_fun", "num_consts", "symbolic_zeros"}
+    ),
+    "custom_vjp_call": frozenset(
+        {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts"}
+    ),
+}
+
+
+def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
+    """The `jax.named_scope` names around `eqn`, outermost first (transforms dropped)."""
+    return tuple(
+        s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _Scope)
+    )
+
+
+def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple:
+    """The JVP rule of a `custom_jvp_call` as `(closed_jaxpr, out_zeros)`.
+
+    The jaxpr takes `(*primals, *tangents)` (constants excluded, every tangent
+    instantiated) and returns `(*primal_outs, *nonzero_tangent_outs)`.
+    """
+    # JAX 0.10 and 0.11: `jvp_jaxpr_fun` is a `lu.WrappedFun` taking one "is symbolic
+    # zero" flag per primal and returning (jaxpr, consts, out_zeros).
+    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
+        *([False] * num_args)
+    )
+    return ClosedJaxpr(jaxpr, consts), tuple(out_zeros)
+
+
+def custom_vjp_rule_parts(params: dict[str, Any], num_args: int) -> tuple:
+    """The forward and backward rules of a `custom_vjp_call`.
+
+    Returns `(fwd_jaxpr, res_forwards, bwd)`: `fwd_jaxpr` maps the primals (constants
+    excluded) to `(*residuals, *primal_outs)`, where the residuals that are just
+    forwarded inputs are left out; `res_forwards[i]` is the input index of residual `i`
+    or None; `bwd(*residuals, *cotangents)` returns one cotangent per primal, with None
+    where the rule returned a symbolic zero.
+    """
+    # JAX 0.10 and 0.11: `fwd_jaxpr_thunk` is a `lu.WrappedFun` taking one "is nonzero"
+    # flag per primal; `out_trees()` returns (out_tree, res_tree, input_forwards) once
+    # the forward has been traced; `bwd` is a `lu.WrappedFun` over flat arguments.
+    jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * num_args))
+    _, _, res_forwards = params["out_trees"]()
+    bwd_fun = params["bwd"]
+
+    def bwd(*args):
+        outs = bwd_fun.call_wrapped(*args)
+        return [None if isinstance(o, _Zero) else o for o in outs]
+
+    return ClosedJaxpr(jaxpr, consts), tuple(res_forwards), bwd
+
+
+def check_version() -> None:
+    """Raise if the installed JAX is outside the range this module was written for."""
+    major, minor = (int(p) for p in jax.__version__.split(".")[:2])
+    if (major, minor) < (0, 10) or (major, minor) >= (0, 12):
+        raise ImportError(
+            f"lowtrain supports JAX 0.10.x and 0.11.x, got jax {jax.__version__} "
+            "instead. Install a supported version: `pip install 'jax>=0.10,<0.12'`."
+        )

@@ -1,0 +1,387 @@
+"""The interpreter core shared by `lowtrain.amp` and `lowtrain.scalify`.
+
+An `Interpreter` evaluates a closed jaxpr equation by equation. First-order primitives go
+to the subclass's `rule` method; higher-order primitives (jit, scan, while, cond, remat,
+custom_jvp, custom_vjp) go to the rules registered here, which transform their sub-jaxprs
+with the same interpreter and rebuild the higher-order op through JAX's public API
+(`jax.jit`, `lax.scan`, `jax.custom_vjp`, ...). A custom derivative therefore stays
+custom: its rule is itself interpreted.
+
+A subclass supplies three things:
+- `rule(eqn, *invals)`: evaluate one first-order equation on interpreter values;
+- `join(types)`: the common type of several values that must agree (the outputs of the
+  branches of a `cond`, or a loop carry before and after one iteration);
+- `coerce(value, type)`: turn a value into that type.
+Values may be arrays or pytrees of arrays (a `ScaledArray`); a "type" is whatever
+`jax.eval_shape` returns for a value (a pytree of `jax.ShapeDtypeStruct`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _compat
+
+# Maps a higher-order primitive to `rule(interpreter, eqn, *invals) -> list of outvals`.
+# Filled with `register_higher_order`; registering a primitive twice is an error.
+HIGHER_ORDER_RULES: dict[_compat.Primitive, Callable[..., list]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Eqn:
+    """What a rule sees of one equation.
+
+    `in_avals`/`out_avals` are the types the equation was traced with (the original
+    program); `weak[i]` says input `i` is a scalar constant or weakly typed (a Python
+    scalar such as the `2.0` in `x * 2.0`; jaxpr literals lose their weak type, so
+    every literal counts); `scopes` is the full `jax.named_scope` path, outermost first, including the
+    scopes of the higher-order ops that contain it.
+    """
+
+    primitive: _compat.Primitive
+    params: dict[str, Any]
+    in_avals: tuple[Any, ...]
+    out_avals: tuple[Any, ...]
+    weak: tuple[bool, ...]
+    scopes: tuple[str, ...]
+
+    def bind(self, *args, **params):
+        """Bind this equation's primitive on `args` with its params updated by `params`."""
+        out = self.primitive.bind(*args, **{**self.params, **params})
+        return list(out) if self.primitive.multiple_results else [out]
+
+
+def register_higher_order(primitive: _compat.Primitive):
+    """Decorator registering the interpreter rule of a higher-order primitive."""
+
+    def register(rule):
+        if primitive in HIGHER_ORDER_RULES:
+            raise ValueError(
+                f"A higher-order rule for `{primitive}` is already registered; "
+                "registering a second one would silently replace it."
+            )
+        HIGHER_ORDER_RULES[primitive] = rule
+        return rule
+
+    return register
+
+
+class Interpreter:
+    """Evaluates closed jaxprs under a table of rules. Subclass it (see module doc)."""
+
+    def rule(self, eqn: Eqn, *invals) -> list:
+        raise NotImplementedError
+
+    def join(self, types: Sequence[Any]) -> Any:
+        raise NotImplementedError
+
+    def coerce(self, value: Any, type_: Any) -> Any:
+        raise NotImplementedError
+
+    def unsupported(self, eqn: Eqn, *invals) -> list:
+        """Called for a higher-order primitive with no registered rule."""
+        raise NotImplementedError(
+            f"lowtrain cannot transform the higher-order primitive `{eqn.primitive}`: "
+            "it holds sub-jaxprs and no rule is registered for it. Register one with "
+            "`lowtrain.register_higher_order(primitive)`, or keep the call out of the "
+            "transform."
+        )
+
+    def eval_jaxpr(
+        self,
+        closed: _compat.ClosedJaxpr,
+        args: Sequence[Any],
+        scopes: tuple[str, ...] = (),
+    ) -> list:
+        """Evaluate `closed` on `args` (one value per invar) and return its outputs."""
+        jaxpr = closed.jaxpr
+        if len(args) != len(jaxpr.invars):
+            raise ValueError(
+                f"Expected {len(jaxpr.invars)} arguments for this jaxpr, "
+                f"got {len(args)} instead."
+            )
+        env: dict[_compat.Var, Any] = {}
+        # Weakly typed variables: literals, and first-order results computed from weak
+        # float inputs only (`broadcast_in_dim 0.0` is as weak as the `0.0`).
+        weak_vars: set[_compat.Var] = set()
+
+        def read(atom):
+            return atom.val if isinstance(atom, _compat.Literal) else env[atom]
+
+        def is_weak(atom):
+            return (
+                isinstance(atom, _compat.Literal)
+                or atom in weak_vars
+                or getattr(atom.aval, "weak_type", False)
+            )
+
+        env.update(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars, args))
+        for jeqn in jaxpr.eqns:
+            inner = scopes + _compat.eqn_scopes(jeqn)
+            eqn = Eqn(
+                jeqn.primitive,
+                dict(jeqn.params),
+                tuple(v.aval for v in jeqn.invars),
+                tuple(v.aval for v in jeqn.outvars),
+                tuple(is_weak(v) for v in jeqn.invars),
+                inner,
+            )
+            float_weak = [w for w, a in zip(eqn.weak, eqn.in_avals) if _is_float(a)]
+            if float_weak and all(float_weak) and jeqn.primitive not in HIGHER_ORDER_RULES:
+                weak_vars.update(jeqn.outvars)
+            invals = [read(v) for v in jeqn.invars]
+            with _named_scopes(_compat.eqn_scopes(jeqn)):
+                if jeqn.primitive in HIGHER_ORDER_RULES:
+                    outvals = HIGHER_ORDER_RULES[jeqn.primitive](self, eqn, *invals)
+                elif any(True for _ in _compat.jaxprs_in_params(jeqn.params)):
+                    outvals = self.unsupported(eqn, *invals)
+                else:
+                    outvals = self.rule(eqn, *invals)
+            if len(outvals) != len(jeqn.outvars):
+                raise RuntimeError(
+                    f"The rule for `{jeqn.primitive}` returned {len(outvals)} outputs, "
+                    f"expected {len(jeqn.outvars)}."
+                )
+            env.update(zip(jeqn.outvars, outvals))
+        return [read(v) for v in jaxpr.outvars]
+
+    def fix_types(self, step: Callable, init: Sequence[Any]) -> list:
+        """Types of a loop carry that one more iteration of `step` leaves unchanged.
+
+        Starts from the types of `init`, joins them with what `step` returns, and repeats
+        until they stop changing: a carry entered in float16 whose body produces float32
+        is carried in float32.
+        """
+        types = [_type_of(v) for v in init]
+        for _ in range(4):
+            outs = jax.eval_shape(step, types)
+            new = [self.join([t, o]) for t, o in zip(types, outs)]
+            if _same_types(new, types):
+                return types
+            types = new
+        raise RuntimeError(
+            f"The loop carry types did not settle: {types}. Please report this."
+        )
+
+
+def _is_float(aval) -> bool:
+    return jnp.issubdtype(getattr(aval, "dtype", None) or jnp.int32, jnp.floating)
+
+
+def _same_types(a, b) -> bool:
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    return tree_a == tree_b and all(
+        x.shape == y.shape and x.dtype == y.dtype for x, y in zip(leaves_a, leaves_b)
+    )
+
+
+@contextlib.contextmanager
+def _named_scopes(names: tuple[str, ...]):
+    # Re-enter the equation's scopes so the transformed program keeps its name stack
+    # (and a second transform, or a profiler, still sees "eqn.nn.Linear" and friends).
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(jax.named_scope(name))
+        yield
+
+
+def _sub(interp: Interpreter, closed, scopes):
+    return functools.partial(interp.eval_jaxpr, closed, scopes=scopes)
+
+
+@register_higher_order(_compat.jit_p)
+def _jit_rule(interp: Interpreter, eqn: Eqn, *args):
+    run = _sub(interp, eqn.params["jaxpr"], eqn.scopes)
+
+    def fn(*xs):
+        return run(xs)
+
+    fn.__name__ = fn.__qualname__ = eqn.params["name"]
+    jitted = jax.jit(
+        fn, inline=eqn.params["inline"], keep_unused=eqn.params["keep_unused"]
+    )
+    return list(jitted(*args))
+
+
+@register_higher_order(_compat.remat_p)
+def _remat_rule(interp: Interpreter, eqn: Eqn, *args):
+    run = _sub(interp, _compat.ClosedJaxpr(eqn.params["jaxpr"], ()), eqn.scopes)
+    fn = jax.checkpoint(
+        lambda *xs: run(xs),
+        prevent_cse=eqn.params["prevent_cse"],
+        policy=eqn.params["policy"],
+    )
+    return list(fn(*args))
+
+
+@register_higher_order(_compat.scan_p)
+def _scan_rule(interp: Interpreter, eqn: Eqn, *args):
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = (
+        args[:n_consts],
+        args[n_consts : n_consts + n_carry],
+        args[n_consts + n_carry :],
+    )
+    run = _sub(interp, p["jaxpr"], eqn.scopes)
+
+    def body(carry, x):
+        outs = run([*consts, *carry, *x])
+        return outs[:n_carry], outs[n_carry:]
+
+    # One slice of each scanned input, to find the carry types abstractly.
+    x_types = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _type_of(x))
+        for x in xs
+    ]
+    types = interp.fix_types(lambda c: body(c, x_types)[0], init)
+
+    def typed_body(carry, x):
+        new, ys = body(carry, x)
+        return [interp.coerce(v, t) for v, t in zip(new, types)], ys
+
+    init = [interp.coerce(v, t) for v, t in zip(init, types)]
+    carry, ys = lax.scan(
+        typed_body,
+        init,
+        list(xs),
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
+    return [*carry, *ys]
+
+
+@register_higher_order(_compat.while_p)
+def _while_rule(interp: Interpreter, eqn: Eqn, *args):
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
+    run_cond = _sub(interp, p["cond_jaxpr"], eqn.scopes)
+    run_body = _sub(interp, p["body_jaxpr"], eqn.scopes)
+
+    def body(carry):
+        return run_body([*body_consts, *carry])
+
+    types = interp.fix_types(body, init)
+
+    def typed_body(carry):
+        return [interp.coerce(v, t) for v, t in zip(body(carry), types)]
+
+    def cond(carry):
+        (pred,) = run_cond([*cond_consts, *carry])
+        return pred
+
+    init = [interp.coerce(v, t) for v, t in zip(init, types)]
+    return list(lax.while_loop(cond, typed_body, init))
+
+
+@register_higher_order(_compat.cond_p)
+def _cond_rule(interp: Interpreter, eqn: Eqn, index, *ops):
+    runs = [_sub(interp, br, eqn.scopes) for br in eqn.params["branches"]]
+    branch_types = [jax.eval_shape(lambda o, r=r: r(o), list(ops)) for r in runs]
+    types = [interp.join(ts) for ts in zip(*branch_types)]
+
+    def typed(run):
+        return lambda *o: [interp.coerce(v, t) for v, t in zip(run(o), types)]
+
+    return list(lax.switch(index, [typed(r) for r in runs], *ops))
+
+
+@register_higher_order(_compat.custom_jvp_call_p)
+def _custom_jvp_rule(interp: Interpreter, eqn: Eqn, *args):
+    p = eqn.params
+    n = p["num_consts"]
+    consts, primals = args[:n], args[n:]
+    run = _sub(interp, p["call_jaxpr"], eqn.scopes)
+    jvp_jaxpr, out_zeros = _compat.custom_jvp_rule_jaxpr(p, len(primals))
+    run_jvp = _sub(interp, jvp_jaxpr, eqn.scopes)
+
+    @jax.custom_jvp
+    def fn(*xs):
+        return run([*consts, *xs])
+
+    @fn.defjvp
+    def fn_jvp(xs, ts):
+        out_types = jax.eval_shape(lambda *a: run([*consts, *a]), *xs)
+        outs = run_jvp([*xs, *ts])
+        primal_outs, nz_tangents = outs[: len(out_zeros)], iter(outs[len(out_zeros) :])
+        primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
+        tangent_outs = [
+            _zeros_like(t) if z else interp.coerce(next(nz_tangents), t)
+            for z, t in zip(out_zeros, out_types)
+        ]
+        return primal_outs, tangent_outs
+
+    return list(fn(*primals))
+
+
+@register_higher_order(_compat.custom_vjp_call_p)
+def _custom_vjp_rule(interp: Interpreter, eqn: Eqn, *args):
+    p = eqn.params
+    n = p["num_consts"]
+    consts, primals = args[:n], args[n:]
+    call_jaxpr = p["call_jaxpr"]
+    run = _sub(interp, call_jaxpr, eqn.scopes)
+    fwd_jaxpr, res_forwards, bwd = _compat.custom_vjp_rule_parts(p, len(primals))
+    run_fwd = _sub(interp, fwd_jaxpr, eqn.scopes)
+    n_res_out = len(fwd_jaxpr.out_avals) - len(call_jaxpr.out_avals)
+    # Trace the user's backward rule at the original types (as the forward was), then
+    # interpret that jaxpr on whatever types the transformed forward produced.
+    orig_primals = call_jaxpr.in_avals[n:]
+    res_avals, fwd_res = [], iter(fwd_jaxpr.out_avals[:n_res_out])
+    for i in res_forwards:
+        res_avals.append(orig_primals[i] if i is not None else next(fwd_res))
+    bwd_closed = jax.make_jaxpr(lambda *a: _instantiate(bwd(*a), orig_primals))(
+        *map(_struct, [*res_avals, *call_jaxpr.out_avals])
+    )
+    run_bwd = _sub(interp, bwd_closed, eqn.scopes)
+
+    in_types = [_type_of(x) for x in primals]
+    out_types = jax.eval_shape(lambda *xs: run([*consts, *xs]), *primals)
+
+    @jax.custom_vjp
+    def fn(*xs):
+        return run([*consts, *xs])
+
+    def fn_fwd(*xs):
+        outs = run_fwd(list(xs))
+        res_out, primal_outs = iter(outs[:n_res_out]), outs[n_res_out:]
+        res = [xs[i] if i is not None else next(res_out) for i in res_forwards]
+        primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
+        return primal_outs, res
+
+    def fn_bwd(res, cts):
+        cts_in = run_bwd([*res, *cts])
+        return tuple(interp.coerce(c, t) for c, t in zip(cts_in, in_types))
+
+    fn.defvjp(fn_fwd, fn_bwd)
+    return list(fn(*primals))
+
+
+def _type_of(value):
+    return jax.eval_shape(lambda v: v, value)
+
+
+def _struct(aval):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def _zeros_like(type_):
+    return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), type_)
+
+
+def _instantiate(cts, avals):
+    return [
+        jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(cts, avals)
+    ]

@@ -1,0 +1,216 @@
+"""`Policy`: the dtypes of a mixed-precision program, and `get_policy` to name one."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PyTree
+
+from ._rules import ACTIONS, DEFAULT_RULES, KEEP
+
+# `amp_stop` opens a `jax.named_scope` with this name; the policy maps it to "keep".
+AMP_STOP_SCOPE = "lowtrain.amp_stop"
+
+_DTYPE_ALIASES = {
+    "f32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "full": "float32",
+    "f16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "f64": "float64",
+}
+
+
+def _float_dtype(value, what: str) -> np.dtype:
+    name = _DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"Expected a floating dtype for `{what}` (e.g. 'float32', 'bfloat16', "
+            f"'float16'), got {value!r} instead."
+        )
+    return dtype
+
+
+def _action(value, what: str) -> str:
+    if value in ACTIONS:
+        return value
+    try:
+        return str(_float_dtype(value, what))
+    except ValueError:
+        raise ValueError(
+            f"Expected an AMP action for `{what}`: one of {', '.join(ACTIONS)} or a "
+            f"float dtype name, got {value!r} instead."
+        ) from None
+
+
+def _table(mapping: Mapping[str, object] | None, what: str) -> tuple:
+    if mapping is None:
+        return ()
+    if not isinstance(mapping, Mapping):
+        raise TypeError(
+            f"Expected a mapping for `{what}` such as {{'exp': 'float32'}}, got "
+            f"{type(mapping).__name__} instead."
+        )
+    return tuple(
+        (str(k), _action(v, f"{what}[{k!r}]")) for k, v in sorted(mapping.items())
+    )
+
+
+class Policy(eqx.Module):
+    """The dtypes of a mixed-precision program and the rules that place each op.
+
+    - `param_dtype`: the dtype parameters are stored (and updated) in;
+    - `compute_dtype`: the dtype `amp` casts float inputs to on entry, and that matmuls
+      and convolutions run in;
+    - `output_dtype`: the dtype of the float outputs `amp` returns;
+    - `rules`: per-primitive actions (see `lowtrain.amp` docs), on top of the defaults;
+    - `scopes`: per-`jax.named_scope` actions; a scope name may be a glob such as
+      `"eqx.nn.*"`. For an op inside several matching scopes the outermost wins, and a
+      scope rule takes precedence over the primitive rules.
+
+    The policy is static data: it is hashable and never traced.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain
+
+    policy = lowtrain.Policy(
+        compute_dtype=jnp.bfloat16, scopes={"head": "float32"}, rules={"tanh": "compute"}
+    )
+    assert policy.action("dot_general", ()) == "compute"
+    assert policy.action("dot_general", ("head",)) == "float32"
+    ```
+    """
+
+    param_dtype: np.dtype = eqx.field(static=True)
+    compute_dtype: np.dtype = eqx.field(static=True)
+    output_dtype: np.dtype = eqx.field(static=True)
+    rules: tuple[tuple[str, str], ...] = eqx.field(static=True)
+    scopes: tuple[tuple[str, str], ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        param_dtype="float32",
+        compute_dtype="float32",
+        output_dtype=None,
+        *,
+        rules: Mapping[str, object] | None = None,
+        scopes: Mapping[str, object] | None = None,
+    ):
+        self.param_dtype = _float_dtype(param_dtype, "param_dtype")
+        self.compute_dtype = _float_dtype(compute_dtype, "compute_dtype")
+        self.output_dtype = _float_dtype(
+            self.param_dtype if output_dtype is None else output_dtype, "output_dtype"
+        )
+        self.rules = _table({**DEFAULT_RULES, **(rules or {})}, "rules")
+        self.scopes = _table({AMP_STOP_SCOPE: KEEP, **(scopes or {})}, "scopes")
+
+    def with_rules(self, **rules) -> Policy:
+        """A copy with these primitive rules added, e.g. `with_rules(tanh="compute")`."""
+        return Policy(
+            self.param_dtype,
+            self.compute_dtype,
+            self.output_dtype,
+            rules={**dict(self.rules), **rules},
+            scopes=dict(self.scopes),
+        )
+
+    def with_scopes(self, scopes: Mapping[str, object]) -> Policy:
+        """A copy with these scope rules added, e.g. `with_scopes({"head": "float32"})`."""
+        return Policy(
+            self.param_dtype,
+            self.compute_dtype,
+            self.output_dtype,
+            rules=dict(self.rules),
+            scopes={**dict(self.scopes), **scopes},
+        )
+
+    def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
+        """The action for primitive `primitive` run inside `scopes` (outermost first)."""
+        for scope in scopes:
+            for pattern, act in self.scopes:
+                if fnmatch.fnmatchcase(scope, pattern):
+                    return act
+        return dict(self.rules).get(primitive, "widest")
+
+    def cast_to_param(self, tree: PyTree) -> PyTree:
+        """Cast the float arrays of `tree` to `param_dtype`."""
+        return _cast_floats(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: PyTree) -> PyTree:
+        """Cast the float arrays of `tree` to `compute_dtype`."""
+        return _cast_floats(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: PyTree) -> PyTree:
+        """Cast the float arrays of `tree` to `output_dtype`."""
+        return _cast_floats(tree, self.output_dtype)
+
+
+def _cast_floats(tree, dtype):
+    def cast(x):
+        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+_PRESETS = {
+    "fp32": ("float32", "float32", "float32"),
+    "bf16": ("float32", "bfloat16", "float32"),
+    "fp16": ("float32", "float16", "float32"),
+}
+_PRESET_ALIASES = {"float32": "fp32", "full": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_KEYS = {"params": 0, "p": 0, "compute": 1, "c": 1, "output": 2, "o": 2}
+
+
+def get_policy(name: str) -> Policy:
+    """A `Policy` from a name: "fp32", "bf16", "fp16", or a jmp-style string.
+
+    The presets keep parameters and outputs in float32 and compute in the named dtype.
+    A jmp-style string names each dtype, e.g. "params=float32,compute=bfloat16,
+    output=float32" or "p=f32,c=f16,o=f32"; a missing `output` defaults to `params`.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain
+
+    assert lowtrain.get_policy("bf16").compute_dtype == jnp.bfloat16
+    assert lowtrain.get_policy("p=f32,c=f16").output_dtype == jnp.float32
+    ```
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"Expected a policy name (str), got {type(name).__name__}.")
+    key = _PRESET_ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key in _PRESETS:
+        return Policy(*_PRESETS[key])
+    if "=" not in name:
+        raise ValueError(
+            f"Unknown policy {name!r}. Expected one of {', '.join(_PRESETS)} or a "
+            "jmp-style string such as 'params=float32,compute=bfloat16,output=float32'."
+        )
+    dtypes: list = [None, None, None]
+    for part in name.split(","):
+        k, _, v = part.partition("=")
+        k = k.strip().lower()
+        if k not in _KEYS or not v.strip():
+            raise ValueError(
+                f"Cannot parse {part!r} in policy {name!r}: expected `KEY=DTYPE` with KEY "
+                "one of params/p, compute/c, output/o."
+            )
+        dtypes[_KEYS[k]] = v.strip()
+    param, compute, output = dtypes
+    param = param or "float32"
+    return Policy(param, compute or param, output or param)

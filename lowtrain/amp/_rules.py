@@ -1,0 +1,75 @@
+"""The default AMP rule table: which precision each primitive runs in, and why.
+
+A rule is an *action* (a string, so policies stay plain data that Hydra can write):
+- "compute": cast float inputs to the policy's compute dtype;
+- "float32": cast float inputs to at least float32;
+- "widest": cast float inputs to the widest float dtype among them, ignoring weakly typed
+  scalars such as the `2.0` in `x * 2.0` (the default for every primitive not listed);
+- "keep": cast float inputs back to the dtype the program was traced with (what
+  `amp_stop` does to a whole region);
+- a float dtype name ("float32", "bfloat16", ...): cast float inputs to that dtype.
+"""
+
+from __future__ import annotations
+
+COMPUTE = "compute"
+FLOAT32 = "float32"
+WIDEST = "widest"
+KEEP = "keep"
+ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP)
+
+# Matmuls and convolutions carry almost all the FLOPs and are what tensor cores speed up.
+# They run in the compute dtype and also return it, so the activations they produce (and
+# the residuals saved for the backward pass) are half-size. Products are accumulated in
+# float32: XLA's GPU backend asks cuBLAS/cuDNN for a float32 compute type on half inputs,
+# and its CPU backend upcasts half-precision dots to float32 (`tests/test_amp.py` checks
+# this on the CPU with a sum that float16 accumulation would get wrong).
+_MATMUL = {
+    "dot_general": COMPUTE,
+    "conv_general_dilated": COMPUTE,
+}
+
+_FLOAT32_REASONS = {
+    # exp overflows float16 above 11.09; expm1 and exp2 likewise.
+    "exp": "overflows float16 above x = 11.09",
+    "exp2": "overflows float16 above x = 16",
+    "expm1": "overflows float16 above x = 11.09; loses its small-x accuracy in half",
+    # log/log1p: results near 0 need more than 10 mantissa bits (log-probabilities).
+    "log": "log-probabilities need more than float16's 3 significant digits",
+    "log1p": "exists for small-x accuracy, which half precision discards",
+    "pow": "x**y over- and underflows float16 for moderate exponents",
+    "integer_pow": "x**3 in GELU, x**2 in variances overflow float16 above 256",
+    "square": "variances: x**2 overflows float16 for |x| > 256",
+    "sqrt": "norms: feeds divisions whose error compounds",
+    "rsqrt": "layer/RMS norm: 1/sqrt(var + eps) with eps below float16's resolution",
+    "cbrt": "root functions amplify relative error near 0",
+    "logistic": "sigmoid saturates to exactly 0/1 in half, killing gradients",
+    "tanh": "saturates to exactly +-1 in half precision, killing gradients",
+    "erf": "GELU's erf saturates early in half precision",
+    "erfc": "tail probabilities underflow float16",
+    "erf_inv": "diverges at +-1, where half precision has few values",
+    "lgamma": "grows fast, overflows float16",
+    "digamma": "loss of accuracy near its poles",
+    "div": "softmax normalisation and means: small denominators overflow half",
+    # Reductions accumulate many terms: float16 sums stop growing at 2048 + 1.
+    "reduce_sum": "accumulating many terms: a float16 sum stalls (2048 + 1 == 2048)",
+    "reduce_prod": "products of many terms over- and underflow half",
+    "reduce_max": "softmax/logsumexp stabiliser: kept in float32 with its consumers",
+    "reduce_min": "kept in float32 like reduce_max",
+    "argmax": "ties and near-ties resolve as in the float32 program",
+    "argmin": "ties and near-ties resolve as in the float32 program",
+    "cumsum": "running sums stall like reduce_sum",
+    "cumprod": "running products over- and underflow",
+    "cumlogsumexp": "log-space accumulation, as logsumexp",
+    "cummax": "kept in float32 like reduce_max",
+    "cummin": "kept in float32 like reduce_min",
+}
+
+# The bits of a bitcast depend on the dtype: never change it.
+_KEEP = {"bitcast_convert_type": KEEP}
+
+DEFAULT_RULES: dict[str, str] = {
+    **_MATMUL,
+    **{name: FLOAT32 for name in _FLOAT32_REASONS},
+    **_KEEP,
+}

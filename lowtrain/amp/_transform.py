@@ -1,0 +1,205 @@
+"""`amp`: mixed precision as a function transform, and `amp_stop`."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._interpret import Eqn, Interpreter
+from ._policy import AMP_STOP_SCOPE, Policy, get_policy
+from ._rules import COMPUTE, FLOAT32, KEEP, WIDEST
+
+
+def _is_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _widest(dtypes: Sequence[np.dtype]) -> np.dtype | None:
+    best = None
+    for d in dtypes:
+        if best is None or jnp.finfo(d).bits > jnp.finfo(best).bits:
+            best = d
+        elif jnp.finfo(d).bits == jnp.finfo(best).bits and d != best:
+            # float16 and bfloat16 have the same width: neither holds the other.
+            best = jnp.dtype(jnp.float32)
+    return best
+
+
+def _cast(x, dtype):
+    if x.dtype == dtype:
+        return x
+    return jnp.asarray(x).astype(dtype)
+
+
+class _AmpInterpreter(Interpreter):
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def rule(self, eqn: Eqn, *invals) -> list:
+        name = eqn.primitive.name
+        if name == "convert_element_type":
+            # An explicit cast in the program is honoured as written.
+            return eqn.bind(*invals)
+        action = self.policy.action(name, eqn.scopes)
+        invals = [jnp.asarray(v) if not hasattr(v, "dtype") else v for v in invals]
+        if action == KEEP:
+            args = [
+                _cast(v, a.dtype) if _is_float(v.dtype) else v
+                for v, a in zip(invals, eqn.in_avals)
+            ]
+        else:
+            target = self._target(action, invals, eqn.weak)
+            if target is None:  # no float inputs: nothing to decide
+                return eqn.bind(*invals)
+            args = [_cast(v, target) if _is_float(v.dtype) else v for v in invals]
+        if "preferred_element_type" in eqn.params:
+            # dot_general/conv: return the operands' dtype (accumulation is float32 in
+            # XLA either way, see `_rules.py`), so the backward matmuls run in it too.
+            float_args = [a.dtype for a in args if _is_float(a.dtype)]
+            pref = eqn.params["preferred_element_type"]
+            if float_args and pref is not None and _is_float(pref):
+                return eqn.bind(*args, preferred_element_type=float_args[0])
+        return eqn.bind(*args)
+
+    def _target(self, action, invals, weak):
+        floats = [v.dtype for v in invals if _is_float(v.dtype)]
+        if not floats:
+            return None
+        if action == COMPUTE:
+            return self.policy.compute_dtype
+        if action == FLOAT32:
+            return _widest([jnp.dtype(jnp.float32), *floats])
+        if action == WIDEST:
+            # Scalar constants (the 2.0 in `x * 2.0`) follow the other inputs, as in
+            # JAX's own promotion of weakly typed Python scalars.
+            strong = [
+                v.dtype for v, w in zip(invals, weak) if _is_float(v.dtype) and not w
+            ]
+            return _widest(strong or floats)
+        return jnp.dtype(action)
+
+    def join(self, types):
+        def leaf(*ts):
+            if _is_float(ts[0].dtype):
+                return jax.ShapeDtypeStruct(ts[0].shape, _widest([t.dtype for t in ts]))
+            return ts[0]
+
+        return jax.tree.map(leaf, *types)
+
+    def coerce(self, value, type_):
+        if _is_float(value.dtype) and _is_float(type_.dtype):
+            return _cast(value, type_.dtype)
+        return value
+
+
+def _cast_floats(leaves, dtype):
+    return [_cast(x, dtype) if _is_float(x.dtype) else x for x in leaves]
+
+
+@eqx.filter_jit
+def _amp_call(fn, policy: Policy, args, kwargs):
+    # Traced once per input structure (filter_jit's cache): the program is traced at the
+    # dtypes it was written for, then re-interpreted under the policy.
+    closed, out_struct, out_static = eqx.filter_make_jaxpr(
+        lambda f, a, k: f(*a, **k)
+    )(fn, args, kwargs)
+    dynamic, _ = eqx.partition(((fn, args, kwargs), {}), eqx.is_array)
+    inputs = _cast_floats(jax.tree.leaves(dynamic), policy.compute_dtype)
+    outs = _AmpInterpreter(policy).eval_jaxpr(closed, inputs)
+    outs = _cast_floats(outs, policy.output_dtype)
+    out_dynamic = jax.tree.unflatten(jax.tree.structure(out_struct), outs)
+    return eqx.combine(out_dynamic, out_static)
+
+
+class _Amp(eqx.Module):
+    fn: Callable
+    policy: Policy = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self.fn
+
+    def __call__(self, *args, **kwargs):
+        return _amp_call(self.fn, self.policy, args, kwargs)
+
+
+def amp(fn: Callable, policy: Policy | str) -> Callable:
+    """Run `fn` in mixed precision under `policy`.
+
+    `fn` is a function or any callable `eqx.Module`. The result is an `eqx.Module` that
+    calls `fn` as follows: the program is traced at the dtypes it was written for;
+    float inputs (the module's parameters too) are cast to `policy.compute_dtype`; every
+    primitive, including those inside `jit`, `scan`, `while`, `cond`, `remat` and the
+    rules of `custom_jvp`/`custom_vjp` functions, is re-run in the precision the policy
+    gives it (matmuls and convolutions in the compute dtype; exp, log, tanh, div,
+    reductions and friends in float32; everything else in the widest float dtype of its
+    inputs); float outputs are cast to `policy.output_dtype`.
+
+    Parameters stay stored in their own dtype, so gradients with respect to them come
+    back in it. The wrapped module's parameters are its leaves (`__wrapped__` is `fn`),
+    so `eqx.filter_grad` of a loss that calls `amp(model, policy)` differentiates them.
+    Each input structure is traced once and compiled (`eqx.filter_jit`), so eager calls
+    do not re-trace; `amp` composes with `jax.jit`, `jax.grad`, `jax.vmap`,
+    `jax.checkpoint` and their Equinox filtered versions, in either order.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import lowtrain
+
+    mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+    half = lowtrain.amp(mlp, "bf16")
+    y = half(jnp.ones(4))
+    assert y.dtype == jnp.float32  # output_dtype of the "bf16" preset
+    grads = eqx.filter_grad(lambda m, x: m(x).sum())(half, jnp.ones(4))
+    assert grads.fn.layers[0].weight.dtype == jnp.float32
+    ```
+    """
+    if isinstance(policy, str):
+        policy = get_policy(policy)
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "Expected a `lowtrain.Policy` or a policy name such as 'bf16', got "
+            f"{type(policy).__name__} instead."
+        )
+    if not callable(fn):
+        raise TypeError(f"Expected a function or callable module, got {fn!r} instead.")
+    return _Amp(fn, policy)
+
+
+def amp_stop(fn: Callable | None = None) -> Any:
+    """Keep a region in the precision it was written in, inside `amp`.
+
+    Use as a decorator (`@amp_stop`) or a context manager (`with amp_stop():`). Every
+    primitive inside runs on inputs cast back to the dtypes the program was traced with,
+    so a float32 region stays float32 even under a float16 policy. Outside `amp` it
+    does nothing but open a `jax.named_scope`.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain
+
+    def f(x):
+        with lowtrain.amp_stop():
+            y = x @ x  # stays float32
+        return y @ x  # runs in the compute dtype
+
+    out = lowtrain.amp(f, "fp16")(jnp.ones((2, 2)))
+    ```
+    """
+    if fn is None:
+        return jax.named_scope(AMP_STOP_SCOPE)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with jax.named_scope(AMP_STOP_SCOPE):
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,426 @@
+"""`lowtrain.amp`: every op placed by the policy, forward and backward, wherever it sits."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import lowtrain
+
+from .helpers import eqns_of, float_in_dtypes, iter_eqns, make_jaxpr, tree_allclose
+
+F32 = np.dtype("float32")
+HALF = {"fp16": np.dtype("float16"), "bf16": np.dtype(jnp.bfloat16)}
+# The primitives the default policy keeps in float32 (see lowtrain/amp/_rules.py).
+F32_PRIMS = {
+    name for name, act in lowtrain.DEFAULT_RULES.items() if act == "float32"
+}
+MATMULS = {"dot_general", "conv_general_dilated"}
+
+
+def check_program(jaxpr, half, *, min_matmuls=1):
+    """Every matmul runs on `half` operands; every float32-listed op runs in float32."""
+    eqns = list(iter_eqns(jaxpr))
+    matmuls = [e for e in eqns if e.primitive.name in MATMULS]
+    assert len(matmuls) >= min_matmuls
+    for e in matmuls:
+        assert float_in_dtypes(e) == {half}, e
+        assert e.outvars[0].aval.dtype == half, e
+    sensitive = [e for e in eqns if e.primitive.name in F32_PRIMS]
+    for e in sensitive:
+        assert float_in_dtypes(e) <= {F32}, e
+    return eqns
+
+
+def loss_and_grad(model, x):
+    return eqx.filter_value_and_grad(lambda m, x: jnp.sum(m(x) ** 2))(model, x)
+
+
+def assert_grads_f32(grads):
+    for g in jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array)):
+        assert g.dtype == F32
+
+
+def mlp_apply(mlp, x):
+    return jax.vmap(mlp)(x)
+
+
+def check_model(model, x, policy, maybe_jit, *, rtol, atol, min_matmuls):
+    half = HALF[policy]
+    amp_model = lowtrain.amp(model, policy)
+
+    def fwd(m, x):
+        return jax.vmap(m)(x)
+
+    jaxpr = make_jaxpr(maybe_jit(fwd))(amp_model, x)
+    check_program(jaxpr, half, min_matmuls=min_matmuls)
+
+    def loss(m, x):
+        return jnp.mean(fwd(m, x) ** 2)
+
+    grad_fn = maybe_jit(eqx.filter_value_and_grad(loss))
+    back = make_jaxpr(grad_fn)(amp_model, x)
+    # Forward, weight-gradient and (but for the first layer) input-gradient matmuls.
+    check_program(back, half, min_matmuls=3 * min_matmuls - 1)
+
+    value, grads = grad_fn(amp_model, x)
+    ref_value, ref_grads = eqx.filter_value_and_grad(loss)(model, x)
+    assert value.dtype == F32
+    assert_grads_f32(grads)
+    assert isinstance(grads, type(amp_model))
+    np.testing.assert_allclose(value, ref_value, rtol=rtol, atol=atol)
+    assert tree_allclose(grads.fn, ref_grads, rtol=rtol, atol=atol)
+
+
+TOL = {"fp16": dict(rtol=2e-2, atol=2e-3), "bf16": dict(rtol=6e-2, atol=1e-2)}
+
+
+@pytest.mark.parametrize("policy", ["fp16", "bf16"])
+def test_mlp(policy, maybe_jit, getkey):
+    mlp = eqx.nn.MLP(16, 8, 32, 3, key=getkey())
+    x = jax.random.normal(getkey(), (4, 16))
+    check_model(mlp, x, policy, maybe_jit, min_matmuls=4, **TOL[policy])
+
+
+class ConvNet(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(1, 4, 3, padding=1, key=k1)
+        self.conv2 = eqx.nn.Conv2d(4, 8, 3, stride=2, key=k2)
+        self.head = eqx.nn.Linear(8 * 3 * 3, 10, key=k3)
+
+    def __call__(self, x):
+        x = jax.nn.relu(self.conv1(x))
+        x = jax.nn.relu(self.conv2(x))
+        return jax.nn.log_softmax(self.head(x.reshape(-1)))
+
+
+@pytest.mark.parametrize("policy", ["fp16", "bf16"])
+def test_conv_net(policy, maybe_jit, getkey):
+    net = ConvNet(getkey())
+    x = jax.random.normal(getkey(), (2, 1, 8, 8))
+    check_model(net, x, policy, maybe_jit, min_matmuls=3, **TOL[policy])
+    convs = eqns_of(lowtrain.amp(net, policy), x[0], prim="conv_general_dilated")
+    assert len(convs) == 2
+
+
+class Block(eqx.Module):
+    ln1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+
+    def __init__(self, d, heads, key):
+        k1, k2 = jax.random.split(key)
+        self.ln1 = eqx.nn.LayerNorm(d)
+        self.attn = eqx.nn.MultiheadAttention(heads, d, key=k1)
+        self.ln2 = eqx.nn.LayerNorm(d)
+        self.mlp = eqx.nn.MLP(d, d, 4 * d, 1, activation=jax.nn.gelu, key=k2)
+
+    def __call__(self, x):  # x: (seq, d)
+        h = jax.vmap(self.ln1)(x)
+        x = x + self.attn(h, h, h)
+        return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
+
+
+@pytest.mark.parametrize("policy", ["fp16", "bf16"])
+def test_transformer_block(policy, maybe_jit, getkey):
+    block = Block(16, 4, getkey())
+    x = jax.random.normal(getkey(), (2, 6, 16))
+    check_model(block, x, policy, maybe_jit, min_matmuls=8, **TOL[policy])
+    # softmax, layer norm and GELU's tanh all ran in float32.
+    amp_block = lowtrain.amp(block, policy)
+    names = {e.primitive.name for e in eqns_of(amp_block, x[0])}
+    assert {"exp", "rsqrt", "tanh", "reduce_sum", "div"} <= names
+
+
+class Stack(eqx.Module):
+    """Identical layers stored stacked and run with `lax.scan`."""
+
+    layers: eqx.nn.Linear
+
+    def __init__(self, n, d, key):
+        make = lambda k: eqx.nn.Linear(d, d, key=k)
+        self.layers = eqx.filter_vmap(make)(jax.random.split(key, n))
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, p):
+            layer = eqx.combine(p, static)
+            return jnp.tanh(layer(h)) + h, None
+
+        h, _ = lax.scan(body, x, params)
+        return h
+
+
+@pytest.mark.parametrize("policy", ["fp16", "bf16"])
+def test_scan_stack(policy, maybe_jit, getkey):
+    stack = Stack(3, 8, getkey())
+    x = jax.random.normal(getkey(), (2, 8))
+    check_model(stack, x, policy, maybe_jit, min_matmuls=1, **TOL[policy])
+    scans = eqns_of(lowtrain.amp(stack, policy), x[0], prim="scan")
+    assert len(scans) == 1
+    body_dots = [
+        e for e in iter_eqns(scans[0].params["jaxpr"]) if e.primitive.name == "dot_general"
+    ]
+    assert body_dots and all(float_in_dtypes(e) == {HALF[policy]} for e in body_dots)
+
+
+def test_jit_inside_amp(maybe_jit, getkey):
+    w = jax.random.normal(getkey(), (8, 8))
+
+    @jax.jit
+    def layer(x, w):
+        return jnp.exp(x @ w)
+
+    def f(x, w):
+        return jnp.sum(layer(x, w))
+
+    x = jax.random.normal(getkey(), (4, 8)) * 0.1
+    af = lowtrain.amp(f, "fp16")
+    jaxpr = make_jaxpr(maybe_jit(af))(x, w)
+    eqns = check_program(jaxpr, HALF["fp16"])
+    # The inner jit is kept (and transformed), not inlined.
+    inner = [e for e in eqns if e.primitive.name == "jit" and e.params["name"] == "layer"]
+    assert len(inner) == 1
+    g = maybe_jit(jax.grad(af, argnums=1))(x, w)
+    assert g.dtype == F32
+    np.testing.assert_allclose(g, jax.grad(f, argnums=1)(x, w), rtol=2e-2, atol=1e-3)
+    check_program(make_jaxpr(jax.grad(af, argnums=1))(x, w), HALF["fp16"], min_matmuls=2)
+
+
+@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.gelu, jax.nn.silu], ids=str)
+def test_builtin_custom_jvp(act, maybe_jit, getkey):
+    w = jax.random.normal(getkey(), (8, 8))
+    x = jax.random.normal(getkey(), (4, 8))
+    f = lambda x, w: jnp.sum(act(x @ w) @ w)
+    af = lowtrain.amp(f, "fp16")
+    grad = maybe_jit(jax.grad(af, argnums=1))
+    check_program(make_jaxpr(grad)(x, w), HALF["fp16"], min_matmuls=4)
+    np.testing.assert_allclose(
+        grad(x, w), jax.grad(f, argnums=1)(x, w), rtol=3e-2, atol=3e-2
+    )
+
+
+def test_relu_backward_stays_half(getkey):
+    x = jax.random.normal(getkey(), (4, 8))
+    f = lambda x: jnp.sum(jax.nn.relu(x) * 2.0)
+    selects = eqns_of(jax.grad(lowtrain.amp(f, "fp16")), x, prim="select_n")
+    assert selects and all(float_in_dtypes(e) == {HALF["fp16"]} for e in selects)
+
+
+@jax.custom_jvp
+def straight_through_round(x):
+    return jnp.round(x)
+
+
+@straight_through_round.defjvp
+def _st_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return jnp.round(x), t * 3.0
+
+
+def test_custom_jvp_rule_is_kept(maybe_jit):
+    # The true derivative of round is 0; the custom rule says 3.
+    f = lambda x: jnp.sum(straight_through_round(x * 2.0))
+    af = lowtrain.amp(f, "fp16")
+    x = jnp.linspace(-2, 2, 8)
+    np.testing.assert_allclose(maybe_jit(jax.grad(af))(x), 6.0)
+    assert eqns_of(af, x, prim="custom_jvp_call")
+
+
+@jax.custom_vjp
+def scaled_matmul(x, w):
+    return x @ w
+
+
+def _sm_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _sm_bwd(res, g):
+    x, w = res
+    # Deliberately not the true gradient: doubled, to see the rule ran.
+    return 2.0 * (g @ w.T), 2.0 * (x.T @ g)
+
+
+scaled_matmul.defvjp(_sm_fwd, _sm_bwd)
+
+
+def test_custom_vjp_rule_is_kept_and_transformed(maybe_jit, getkey):
+    x = jax.random.normal(getkey(), (4, 8))
+    w = jax.random.normal(getkey(), (8, 3))
+    f = lambda x, w: jnp.sum(jnp.tanh(scaled_matmul(x, w)))
+    af = lowtrain.amp(f, "fp16")
+    grad = maybe_jit(jax.grad(af, argnums=(0, 1)))
+    gx, gw = grad(x, w)
+    rx, rw = jax.grad(f, argnums=(0, 1))(x, w)
+    assert gx.dtype == gw.dtype == F32
+    np.testing.assert_allclose(gx, rx, rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(gw, rw, rtol=3e-2, atol=3e-2)
+    # The backward rule's matmuls ran in float16 too.
+    check_program(make_jaxpr(grad)(x, w), HALF["fp16"], min_matmuls=3)
+    assert eqns_of(af, x, w, prim="custom_vjp_call")
+
+
+def test_cond_and_while(maybe_jit):
+    def f(x):
+        y = lax.cond(jnp.sum(x) > 0, lambda a: a @ a, lambda a: jnp.exp(a), x)
+        _, z = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ c[1]), (0, y))
+        return z
+
+    x = jnp.full((3, 3), 0.3)
+    af = lowtrain.amp(f, "fp16")
+    eqns = check_program(make_jaxpr(maybe_jit(af))(x), HALF["fp16"], min_matmuls=2)
+    # The branch outputs f16 (matmul) and f32 (exp): the cond returns the wider one,
+    # and the while carry settles on float32 too.
+    (cond,) = [e for e in eqns if e.primitive.name == "cond"]
+    assert cond.outvars[0].aval.dtype == F32
+    np.testing.assert_allclose(maybe_jit(af)(x), f(x), rtol=1e-2)
+
+
+def test_remat(maybe_jit, getkey):
+    w = jax.random.normal(getkey(), (8, 8))
+    f = lambda x: jnp.sum(jax.checkpoint(lambda a: jnp.tanh(a @ w) @ w)(x))
+    af = lowtrain.amp(f, "bf16")
+    x = jax.random.normal(getkey(), (4, 8))
+    jaxpr = make_jaxpr(maybe_jit(jax.grad(af)))(x)
+    eqns = check_program(jaxpr, HALF["bf16"], min_matmuls=4)
+    assert any(e.primitive.name == "remat2" for e in eqns)
+
+
+def test_accumulation_is_float32():
+    # 5000 ones summed in float16 stall at 2048; accumulated in float32 they give 5000,
+    # which float16 holds exactly.
+    x = jnp.ones((1, 5000))
+    y = lowtrain.amp(lambda a, b: a @ b, "p=f32,c=f16,o=f16")(x, x.T)
+    assert y.dtype == np.float16
+    assert float(y[0, 0]) == 5000.0
+
+
+def test_compose_with_filter_transforms(getkey):
+    mlp = eqx.nn.MLP(4, 2, 8, 2, key=getkey())
+    x = jax.random.normal(getkey(), (5, 4))
+    amp_mlp = lowtrain.amp(mlp, "bf16")
+    ref = jax.vmap(mlp)(x)
+    outs = [
+        eqx.filter_vmap(amp_mlp)(x),
+        eqx.filter_jit(eqx.filter_vmap(amp_mlp))(x),
+        eqx.filter_vmap(lowtrain.amp(eqx.filter_jit(mlp), "bf16"))(x),
+        lowtrain.amp(eqx.filter_vmap(mlp), "bf16")(x),
+        jax.checkpoint(lambda m, x: eqx.filter_vmap(m)(x))(amp_mlp, x),
+        lowtrain.amp(jax.checkpoint(lambda x: jax.vmap(mlp)(x)), "bf16")(x),
+    ]
+    for out in outs:
+        assert out.dtype == F32
+        np.testing.assert_allclose(out, ref, rtol=5e-2, atol=5e-2)
+    g1 = eqx.filter_grad(lambda m: jnp.sum(eqx.filter_vmap(m)(x)))(amp_mlp)
+    g2 = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(eqx.filter_vmap(m)(x))))(amp_mlp)
+    assert tree_allclose(g1, g2)
+    assert_grads_f32(g1)
+
+
+def test_no_retrace_on_eager_calls():
+    traces = []
+
+    def f(x, scale):
+        traces.append(None)
+        return x * scale
+
+    af = lowtrain.amp(f, "fp16")
+    for _ in range(3):
+        af(jnp.ones(3), 2.0)
+    assert len(traces) == 1
+    af(jnp.ones(4), 2.0)  # new shape: one new trace
+    assert len(traces) == 2
+
+
+def test_outputs_and_non_float_inputs():
+    def f(x, idx, flag):
+        out = x[idx] * 2.0
+        return {"out": out, "idx": idx, "flag": flag}
+
+    x = jnp.arange(6.0)
+    res = lowtrain.amp(f, "p=f32,c=bf16,o=f16")(x, jnp.array([1, 2]), "static")
+    assert res["out"].dtype == np.float16
+    assert res["idx"].dtype == jnp.int32
+    assert res["flag"] == "static"
+    np.testing.assert_allclose(res["out"], [2.0, 4.0])
+
+
+def test_amp_stop(maybe_jit, getkey):
+    w = jax.random.normal(getkey(), (8, 8))
+
+    @lowtrain.amp_stop
+    def precise(x):
+        return x @ w
+
+    def f(x):
+        with lowtrain.amp_stop():
+            a = x @ w
+        return precise(x) + a + (x @ w)
+
+    x = jax.random.normal(getkey(), (4, 8))
+    dots = eqns_of(maybe_jit(lowtrain.amp(f, "fp16")), x, prim="dot_general")
+    assert sorted(str(float_in_dtypes(e).pop()) for e in dots) == [
+        "float16",
+        "float32",
+        "float32",
+    ]
+    back = eqns_of(jax.grad(lambda x: jnp.sum(lowtrain.amp(f, "fp16")(x))), x, prim="dot_general")
+    assert sorted(str(float_in_dtypes(e).pop()) for e in back).count("float32") == 4
+
+
+def test_scope_rules(maybe_jit, getkey):
+    model = eqx.nn.MLP(4, 3, 8, 1, key=getkey())
+
+    def f(x):
+        h = model(x)
+        with jax.named_scope("head"):
+            return h @ jnp.ones((3, 2))
+
+    x = jax.random.normal(getkey(), (4,))
+    policy = lowtrain.get_policy("fp16").with_scopes({"head": "float32"})
+    dots = eqns_of(maybe_jit(lowtrain.amp(f, policy)), x, prim="dot_general")
+    assert [str(float_in_dtypes(e).pop()) for e in dots] == ["float16", "float16", "float32"]
+    # Equinox's layer scopes, by glob; the outermost matching scope wins.
+    policy = lowtrain.get_policy("fp16").with_scopes(
+        {"eqx.nn.MLP": "bfloat16", "eqx.nn.Linear": "float32"}
+    )
+    dots = eqns_of(lowtrain.amp(f, policy), x, prim="dot_general")
+    assert [str(float_in_dtypes(e).pop()) for e in dots] == ["bfloat16", "bfloat16", "float16"]
+    policy = lowtrain.get_policy("fp16").with_scopes({"eqx.nn.Lin*": "float32"})
+    dots = eqns_of(lowtrain.amp(f, policy), x, prim="dot_general")
+    assert [str(float_in_dtypes(e).pop()) for e in dots] == ["float32", "float32", "float16"]
+
+
+def test_primitive_rules():
+    f = lambda x: jnp.tanh(x @ x)
+    policy = lowtrain.get_policy("fp16").with_rules(tanh="compute")
+    (tanh,) = eqns_of(lowtrain.amp(f, policy), jnp.ones((2, 2)), prim="tanh")
+    assert float_in_dtypes(tanh) == {HALF["fp16"]}
+    policy = lowtrain.get_policy("fp16").with_rules(dot_general="float32")
+    (dot,) = eqns_of(lowtrain.amp(f, policy), jnp.ones((2, 2)), prim="dot_general")
+    assert float_in_dtypes(dot) == {F32}
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="fp32, bf16, fp16"):
+        lowtrain.amp(lambda x: x, "fp17")
+    with pytest.raises(TypeError, match="Policy"):
+        lowtrain.amp(lambda x: x, 3)
+    with pytest.raises(ValueError, match="floating dtype"):
+        lowtrain.Policy(compute_dtype="int8")
+
+    def solve(x):
+        return lax.custom_linear_solve(lambda v: 2.0 * v, x, lambda mv, b: b / 2.0)
+
+    with pytest.raises(NotImplementedError, match="custom_linear_solve.*register"):
+        lowtrain.amp(solve, "fp16")(jnp.ones(3))
