@@ -100,8 +100,12 @@ class Interpreter:
         closed: _compat.ClosedJaxpr,
         args: Sequence[Any],
         scopes: tuple[str, ...] = (),
+        consts: Sequence[Any] | None = None,
     ) -> list:
-        """Evaluate `closed` on `args` (one value per invar) and return its outputs."""
+        """Evaluate `closed` on `args` (one value per invar) and return its outputs.
+
+        `consts` replaces the jaxpr's own constants when given.
+        """
         jaxpr = closed.jaxpr
         if len(args) != len(jaxpr.invars):
             raise ValueError(
@@ -123,7 +127,7 @@ class Interpreter:
                 or getattr(atom.aval, "weak_type", False)
             )
 
-        env.update(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.constvars, closed.consts if consts is None else consts))
         env.update(zip(jaxpr.invars, args))
         for jeqn in jaxpr.eqns:
             inner = scopes + _compat.eqn_scopes(jeqn)
@@ -154,7 +158,7 @@ class Interpreter:
             env.update(zip(jeqn.outvars, outvals))
         return [read(v) for v in jaxpr.outvars]
 
-    def fix_types(self, step: Callable, init: Sequence[Any]) -> list:
+    def fix_types(self, step: Callable, init: Sequence[Any], *extra: Any) -> list:
         """Types of a loop carry that one more iteration of `step` leaves unchanged.
 
         Starts from the types of `init`, joins them with what `step` returns, and repeats
@@ -163,7 +167,7 @@ class Interpreter:
         """
         types = [_type_of(v) for v in init]
         for _ in range(4):
-            outs = jax.eval_shape(step, types)
+            outs = jax.eval_shape(step, types, *extra)
             new = [self.join([t, o]) for t, o in zip(types, outs)]
             if _same_types(new, types):
                 return types
@@ -244,7 +248,7 @@ def _scan_rule(interp: Interpreter, eqn: Eqn, *args):
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _type_of(x))
         for x in xs
     ]
-    types = interp.fix_types(lambda c: body(c, x_types)[0], init)
+    types = interp.fix_types(lambda c, x: body(c, x)[0], init, x_types)
 
     def typed_body(carry, x):
         new, ys = body(carry, x)
@@ -385,3 +389,61 @@ def _instantiate(cts, avals):
     return [
         jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(cts, avals)
     ]
+
+
+def call_transformed(
+    interp: Interpreter,
+    fn: Callable[..., list],
+    args: Sequence[Any],
+    *,
+    enter: Callable[[list], list] = lambda xs: xs,
+    leave: Callable[[list], list] = lambda outs: outs,
+) -> list:
+    """Call the flat function `fn(*args) -> list of arrays` under `interp`, forward and
+    backward.
+
+    `fn` is traced at the types of `args` (the program as written); its jaxpr is
+    evaluated by `interp` on `enter(args)` and the outputs go through `leave`.
+
+    The backward pass is a program too, and `interp` transforms it like the forward
+    one: under reverse-mode differentiation, JAX's VJP of the transformed forward (whose
+    cotangents take the dtypes of their primals) is traced into a jaxpr and evaluated
+    by `interp`. So the rules place every backward op (the batch sum that makes a bias
+    gradient is a `reduce_sum` like any other), and cotangents of `args` come back in
+    the types of `args`. Supports `jax.grad`/`jax.vjp` (any order), `jax.vmap` and
+    `jax.checkpoint`, but not forward-mode `jax.jvp`.
+
+    The arrays `fn` closes over (its jaxpr's constants) are treated as inputs: passed
+    through `enter` and differentiated, so `amp(lambda x: model(x))` differentiates the
+    closed-over `model` too. Non-float inputs get no cotangent.
+    """
+    in_types = [_type_of(x) for x in args]
+    closed = jax.make_jaxpr(fn)(*in_types)
+    n_consts = len(closed.consts)
+    all_types = [*map(_type_of, closed.consts), *in_types]
+    vjp_tree: dict[str, Any] = {}
+
+    def forward(*xs):
+        xs = enter(list(xs))
+        return leave(interp.eval_jaxpr(closed, xs[n_consts:], consts=xs[:n_consts]))
+
+    @jax.custom_vjp
+    def run(*xs):
+        return forward(*xs)
+
+    def run_fwd(*xs):
+        outs, vjp = jax.vjp(forward, *xs)
+        res, vjp_tree["tree"] = jax.tree.flatten(vjp)
+        return outs, res
+
+    def run_bwd(res, cts):
+        pullback = lambda r, c: jax.tree.unflatten(vjp_tree["tree"], r)(c)
+        backward = jax.make_jaxpr(pullback)(res, list(cts))
+        cts_in = interp.eval_jaxpr(backward, [*res, *cts])
+        return tuple(
+            interp.coerce(c, t) if _is_float(t) else None
+            for c, t in zip(cts_in, all_types)
+        )
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(*closed.consts, *args)

@@ -1,6 +1,7 @@
 """Jaxpr inspection helpers for the tests."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
@@ -26,7 +27,7 @@ def float_in_dtypes(eqn):
     return {
         np.dtype(v.aval.dtype)
         for v in eqn.invars
-        if np.issubdtype(v.aval.dtype, np.floating)
+        if jnp.issubdtype(v.aval.dtype, jnp.floating)
     }
 
 

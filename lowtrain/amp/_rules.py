@@ -63,6 +63,8 @@ _FLOAT32_REASONS = {
     "cumlogsumexp": "log-space accumulation, as logsumexp",
     "cummax": "kept in float32 like reduce_max",
     "cummin": "kept in float32 like reduce_min",
+    # The backward of a gather (embedding lookup) sums the rows' cotangents.
+    "scatter-add": "embedding gradients sum many rows: float16 sums stall",
 }
 
 # The bits of a bitcast depend on the dtype: never change it.

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._interpret import Eqn, Interpreter
+from .._interpret import Eqn, Interpreter, call_transformed
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, KEEP, WIDEST
 
@@ -106,15 +106,24 @@ def _cast_floats(leaves, dtype):
 def _amp_call(fn, policy: Policy, args, kwargs):
     # Traced once per input structure (filter_jit's cache): the program is traced at the
     # dtypes it was written for, then re-interpreted under the policy.
-    closed, out_struct, out_static = eqx.filter_make_jaxpr(
-        lambda f, a, k: f(*a, **k)
-    )(fn, args, kwargs)
-    dynamic, _ = eqx.partition(((fn, args, kwargs), {}), eqx.is_array)
-    inputs = _cast_floats(jax.tree.leaves(dynamic), policy.compute_dtype)
-    outs = _AmpInterpreter(policy).eval_jaxpr(closed, inputs)
-    outs = _cast_floats(outs, policy.output_dtype)
-    out_dynamic = jax.tree.unflatten(jax.tree.structure(out_struct), outs)
-    return eqx.combine(out_dynamic, out_static)
+    dynamic, static = eqx.partition((fn, args, kwargs), eqx.is_array)
+    leaves, in_tree = jax.tree.flatten(dynamic)
+    out_meta = {}
+
+    def flat_fn(*xs):
+        f, a, k = eqx.combine(jax.tree.unflatten(in_tree, xs), static)
+        out_dynamic, out_meta["static"] = eqx.partition(f(*a, **k), eqx.is_array)
+        out_leaves, out_meta["tree"] = jax.tree.flatten(out_dynamic)
+        return out_leaves
+
+    outs = call_transformed(
+        _AmpInterpreter(policy),
+        flat_fn,
+        leaves,
+        enter=lambda xs: _cast_floats(xs, policy.compute_dtype),
+        leave=lambda outs: _cast_floats(outs, policy.output_dtype),
+    )
+    return eqx.combine(jax.tree.unflatten(out_meta["tree"], outs), out_meta["static"])
 
 
 class _Amp(eqx.Module):
