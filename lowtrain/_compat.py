@@ -1,8 +1,9 @@
 """Every use of JAX internals (`jax._src`, `jax.extend`) in lowtrain lives here.
 
 The rest of the package imports these names from this module only. Each block states the
-JAX versions it was checked against; `tests/test_compat.py` fails loudly when a primitive's
-parameters change under us, so a JAX upgrade cannot silently mis-transform a program.
+JAX versions it was checked against; `tests/test_compat.py` fails loudly when a
+primitive's parameters change under us, so a JAX upgrade cannot silently
+mis-transform a program.
 """
 
 from __future__ import annotations
@@ -11,9 +12,19 @@ from typing import Any
 
 import jax
 
+# JAX 0.10 and 0.11: a custom_vjp backward rule may return `ad_util.Zero` placeholders
+# for inputs that get no cotangent.
+from jax._src.ad_util import Zero as _Zero
+
+# JAX 0.10 and 0.11: a name stack is a tuple of `Scope` (from `jax.named_scope`) and
+# `Transform` (jvp, transpose, ...) entries; the name stack of an equation inside a
+# sub-jaxpr is relative to the equation that holds it.
+from jax._src.source_info_util import Scope as _Scope
+
 # JAX 0.10 and 0.11: `jax.extend.core` exposes the primitives of every higher-order op.
-# The jit primitive was called `pjit` before JAX 0.7 and `jit` since; the remat primitive
-# is `remat2` (its Python name `remat_p`). We only support JAX >= 0.10 (see pyproject).
+# The jit primitive was called `pjit` before JAX 0.7 and `jit` since; the remat
+# primitive is `remat2` (its Python name `remat_p`). We support JAX >= 0.10 only
+# (see pyproject).
 from jax.extend.core import ClosedJaxpr as ClosedJaxpr
 from jax.extend.core import Jaxpr as Jaxpr
 from jax.extend.core import JaxprEqn as JaxprEqn
@@ -29,27 +40,57 @@ from jax.extend.core.primitives import remat_p as remat_p
 from jax.extend.core.primitives import scan_p as scan_p
 from jax.extend.core.primitives import while_p as while_p
 
-# JAX 0.10 and 0.11: a name stack is a tuple of `Scope` (from `jax.named_scope`) and
-# `Transform` (jvp, transpose, ...) entries; the name stack of an equation inside a
-# sub-jaxpr is relative to the equation that holds it.
-from jax._src.source_info_util import Scope as _Scope
-
-# JAX 0.10 and 0.11: a custom_vjp backward rule may return `ad_util.Zero` placeholders
-# for inputs that get no cotangent.
-from jax._src.ad_util import Zero as _Zero
-
-# The parameters lowtrain reads or rebuilds for each higher-order primitive. Checked
-# against JAX 0.10.2 and 0.11.2; `tests/test_compat.py` compares them with what the
-# installed JAX emits.
-EXPECTED_PARAMS: dict[str, frozenset[str]] = {
-    "jit": frozenset({"jaxpr", "name", "inline", "keep_unused"}),
-    "scan": frozenset({"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}),
+# Every parameter each higher-order primitive carries, as emitted by JAX 0.10.2. The
+# interpreter rebuilds these ops with public APIs (`jax.jit`, `lax.scan`, ...) from the
+# parameters in USED_PARAMS; the rest are dropped on purpose: an inner jit's shardings,
+# layouts, donations and compiler options (the outer jit governs placement, and
+# `sharding_constraint` inside is a first-order op that is kept), `differentiated` of
+# remat (set by AD itself), `symbolic_zeros` (the rebuilt custom rules take
+# instantiated zeros). `tests/test_compat.py` fails when the installed JAX emits a
+# parameter not listed here, so a new one is looked at before it is silently dropped.
+KNOWN_PARAMS: dict[str, frozenset[str]] = {
+    "jit": frozenset(
+        {
+            "jaxpr",
+            "name",
+            "inline",
+            "keep_unused",
+            "in_shardings",
+            "out_shardings",
+            "in_layouts",
+            "out_layouts",
+            "donated_invars",
+            "ctx_mesh",
+            "compiler_options_kvs",
+        }
+    ),
+    "scan": frozenset(
+        {"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}
+    ),
     "while": frozenset({"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"}),
     "cond": frozenset({"branches"}),
-    "remat2": frozenset({"jaxpr", "prevent_cse", "policy"}),
+    "remat2": frozenset({"jaxpr", "prevent_cse", "policy", "differentiated"}),
     "custom_jvp_call": frozenset(
         {"call_jaxpr", "jvp_jaxpr_fun", "num_consts", "symbolic_zeros"}
     ),
+    "custom_vjp_call": frozenset(
+        {
+            "call_jaxpr",
+            "fwd_jaxpr_thunk",
+            "bwd",
+            "out_trees",
+            "num_consts",
+            "symbolic_zeros",
+        }
+    ),
+}
+USED_PARAMS: dict[str, frozenset[str]] = {
+    "jit": frozenset({"jaxpr", "name", "inline", "keep_unused"}),
+    "scan": KNOWN_PARAMS["scan"],
+    "while": KNOWN_PARAMS["while"],
+    "cond": KNOWN_PARAMS["cond"],
+    "remat2": frozenset({"jaxpr", "prevent_cse", "policy"}),
+    "custom_jvp_call": frozenset({"call_jaxpr", "jvp_jaxpr_fun", "num_consts"}),
     "custom_vjp_call": frozenset(
         {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts"}
     ),
@@ -57,7 +98,7 @@ EXPECTED_PARAMS: dict[str, frozenset[str]] = {
 
 
 def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
-    """The `jax.named_scope` names around `eqn`, outermost first (transforms dropped)."""
+    """The `jax.named_scope` names around `eqn`, outermost first (no transforms)."""
     return tuple(
         s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _Scope)
     )

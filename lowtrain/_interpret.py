@@ -1,11 +1,11 @@
 """The interpreter core shared by `lowtrain.amp` and `lowtrain.scalify`.
 
-An `Interpreter` evaluates a closed jaxpr equation by equation. First-order primitives go
-to the subclass's `rule` method; higher-order primitives (jit, scan, while, cond, remat,
-custom_jvp, custom_vjp) go to the rules registered here, which transform their sub-jaxprs
-with the same interpreter and rebuild the higher-order op through JAX's public API
-(`jax.jit`, `lax.scan`, `jax.custom_vjp`, ...). A custom derivative therefore stays
-custom: its rule is itself interpreted.
+An `Interpreter` evaluates a closed jaxpr equation by equation. First-order primitives
+go to the subclass's `rule` method; higher-order primitives (jit, scan, while, cond,
+remat, custom_jvp, custom_vjp) go to the rules registered here, which transform their
+sub-jaxprs with the same interpreter and rebuild the higher-order op through JAX's
+public API (`jax.jit`, `lax.scan`, `jax.custom_vjp`, ...). A custom derivative
+therefore stays custom: its rule is itself interpreted.
 
 A subclass supplies three things:
 - `rule(eqn, *invals)`: evaluate one first-order equation on interpreter values;
@@ -42,7 +42,8 @@ class Eqn:
     `in_avals`/`out_avals` are the types the equation was traced with (the original
     program); `weak[i]` says input `i` is a scalar constant or weakly typed (a Python
     scalar such as the `2.0` in `x * 2.0`; jaxpr literals lose their weak type, so
-    every literal counts); `scopes` is the full `jax.named_scope` path, outermost first, including the
+    every literal counts); `scopes` is the full `jax.named_scope` path, outermost first,
+    including the
     scopes of the higher-order ops that contain it.
     """
 
@@ -54,7 +55,7 @@ class Eqn:
     scopes: tuple[str, ...]
 
     def bind(self, *args, **params):
-        """Bind this equation's primitive on `args` with its params updated by `params`."""
+        """Bind this equation's primitive on `args`, its params updated by `params`."""
         out = self.primitive.bind(*args, **{**self.params, **params})
         return list(out) if self.primitive.multiple_results else [out]
 
@@ -140,7 +141,11 @@ class Interpreter:
                 inner,
             )
             float_weak = [w for w, a in zip(eqn.weak, eqn.in_avals) if _is_float(a)]
-            if float_weak and all(float_weak) and jeqn.primitive not in HIGHER_ORDER_RULES:
+            if (
+                float_weak
+                and all(float_weak)
+                and jeqn.primitive not in HIGHER_ORDER_RULES
+            ):
                 weak_vars.update(jeqn.outvars)
             invals = [read(v) for v in jeqn.invars]
             with _named_scopes(_compat.eqn_scopes(jeqn)):
@@ -161,7 +166,8 @@ class Interpreter:
     def fix_types(self, step: Callable, init: Sequence[Any], *extra: Any) -> list:
         """Types of a loop carry that one more iteration of `step` leaves unchanged.
 
-        Starts from the types of `init`, joins them with what `step` returns, and repeats
+        Starts from the types of `init`, joins them with what `step` returns, and
+        repeats
         until they stop changing: a carry entered in float16 whose body produces float32
         is carried in float32.
         """
@@ -386,9 +392,7 @@ def _zeros_like(type_):
 
 
 def _instantiate(cts, avals):
-    return [
-        jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(cts, avals)
-    ]
+    return [jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(cts, avals)]
 
 
 def call_transformed(
@@ -406,12 +410,13 @@ def call_transformed(
     evaluated by `interp` on `enter(args)` and the outputs go through `leave`.
 
     The backward pass is a program too, and `interp` transforms it like the forward
-    one: under reverse-mode differentiation, JAX's VJP of the transformed forward (whose
-    cotangents take the dtypes of their primals) is traced into a jaxpr and evaluated
-    by `interp`. So the rules place every backward op (the batch sum that makes a bias
-    gradient is a `reduce_sum` like any other), and cotangents of `args` come back in
-    the types of `args`. Supports `jax.grad`/`jax.vjp` (any order), `jax.vmap` and
-    `jax.checkpoint`, but not forward-mode `jax.jvp`.
+    one: under reverse-mode differentiation, JAX linearizes the transformed forward
+    (so cotangents take the dtypes of their primals, and the residuals are those of
+    the transformed ops), and the transposed program is traced into a jaxpr and
+    evaluated by `interp`. So the rules place every backward op (the batch sum that
+    makes a bias gradient is a `reduce_sum` like any other), and cotangents of `args`
+    come back in the types of `args`. Supports `jax.grad`/`jax.vjp` (any order),
+    `jax.vmap` and `jax.checkpoint`, but not forward-mode `jax.jvp`.
 
     The arrays `fn` closes over (its jaxpr's constants) are treated as inputs: passed
     through `enter` and differentiated, so `amp(lambda x: model(x))` differentiates the

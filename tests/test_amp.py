@@ -1,4 +1,4 @@
-"""`lowtrain.amp`: every op placed by the policy, forward and backward, wherever it sits."""
+"""`lowtrain.amp`: every op placed by the policy, forward and backward, anywhere."""
 
 import equinox as eqx
 import jax
@@ -14,9 +14,7 @@ from .helpers import eqns_of, float_in_dtypes, iter_eqns, make_jaxpr, tree_allcl
 F32 = np.dtype("float32")
 HALF = {"fp16": np.dtype("float16"), "bf16": np.dtype(jnp.bfloat16)}
 # The primitives the default policy keeps in float32 (see lowtrain/amp/_rules.py).
-F32_PRIMS = {
-    name for name, act in lowtrain.DEFAULT_RULES.items() if act == "float32"
-}
+F32_PRIMS = {name for name, act in lowtrain.DEFAULT_RULES.items() if act == "float32"}
 MATMULS = {"dot_general", "conv_general_dilated"}
 
 
@@ -168,7 +166,9 @@ def test_scan_stack(policy, maybe_jit, getkey):
     scans = eqns_of(lowtrain.amp(stack, policy), x[0], prim="scan")
     assert len(scans) == 1
     body_dots = [
-        e for e in iter_eqns(scans[0].params["jaxpr"]) if e.primitive.name == "dot_general"
+        e
+        for e in iter_eqns(scans[0].params["jaxpr"])
+        if e.primitive.name == "dot_general"
     ]
     assert body_dots and all(float_in_dtypes(e) == {HALF[policy]} for e in body_dots)
 
@@ -188,12 +188,16 @@ def test_jit_inside_amp(maybe_jit, getkey):
     jaxpr = make_jaxpr(maybe_jit(af))(x, w)
     eqns = check_program(jaxpr, HALF["fp16"])
     # The inner jit is kept (and transformed), not inlined.
-    inner = [e for e in eqns if e.primitive.name == "jit" and e.params["name"] == "layer"]
+    inner = [
+        e for e in eqns if e.primitive.name == "jit" and e.params["name"] == "layer"
+    ]
     assert len(inner) == 1
     g = maybe_jit(jax.grad(af, argnums=1))(x, w)
     assert g.dtype == F32
     np.testing.assert_allclose(g, jax.grad(f, argnums=1)(x, w), rtol=2e-2, atol=1e-3)
-    check_program(make_jaxpr(jax.grad(af, argnums=1))(x, w), HALF["fp16"], min_matmuls=2)
+    check_program(
+        make_jaxpr(jax.grad(af, argnums=1))(x, w), HALF["fp16"], min_matmuls=2
+    )
 
 
 @pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.gelu, jax.nn.silu], ids=str)
@@ -273,7 +277,9 @@ def test_custom_vjp_rule_is_kept_and_transformed(maybe_jit, getkey):
 def test_cond_and_while(maybe_jit):
     def f(x):
         y = lax.cond(jnp.sum(x) > 0, lambda a: a @ a, lambda a: jnp.exp(a), x)
-        _, z = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ c[1]), (0, y))
+        _, z = lax.while_loop(
+            lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ c[1]), (0, y)
+        )
         return z
 
     x = jnp.full((3, 3), 0.3)
@@ -337,7 +343,9 @@ def test_compose_with_filter_transforms(getkey):
         assert out.dtype == F32
         np.testing.assert_allclose(out, ref, rtol=5e-2, atol=5e-2)
     g1 = eqx.filter_grad(lambda m: jnp.sum(eqx.filter_vmap(m)(x)))(amp_mlp)
-    g2 = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(eqx.filter_vmap(m)(x))))(amp_mlp)
+    g2 = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(eqx.filter_vmap(m)(x))))(
+        amp_mlp
+    )
     assert tree_allclose(g1, g2)
     assert_grads_f32(g1)
 
@@ -389,7 +397,9 @@ def test_amp_stop(maybe_jit, getkey):
         "float32",
         "float32",
     ]
-    back = eqns_of(jax.grad(lambda x: jnp.sum(lowtrain.amp(f, "fp16")(x))), x, prim="dot_general")
+    back = eqns_of(
+        jax.grad(lambda x: jnp.sum(lowtrain.amp(f, "fp16")(x))), x, prim="dot_general"
+    )
     kinds = [str(float_in_dtypes(e).pop()) for e in back]
     # Forward 2 + 1; backward: input and (closed-over) weight gradients of each.
     assert (kinds.count("float32"), kinds.count("float16")) == (6, 3)
@@ -406,16 +416,28 @@ def test_scope_rules(maybe_jit, getkey):
     x = jax.random.normal(getkey(), (4,))
     policy = lowtrain.get_policy("fp16").with_scopes({"head": "float32"})
     dots = eqns_of(maybe_jit(lowtrain.amp(f, policy)), x, prim="dot_general")
-    assert [str(float_in_dtypes(e).pop()) for e in dots] == ["float16", "float16", "float32"]
+    assert [str(float_in_dtypes(e).pop()) for e in dots] == [
+        "float16",
+        "float16",
+        "float32",
+    ]
     # Equinox's layer scopes, by glob; the outermost matching scope wins.
     policy = lowtrain.get_policy("fp16").with_scopes(
         {"eqx.nn.MLP": "bfloat16", "eqx.nn.Linear": "float32"}
     )
     dots = eqns_of(lowtrain.amp(f, policy), x, prim="dot_general")
-    assert [str(float_in_dtypes(e).pop()) for e in dots] == ["bfloat16", "bfloat16", "float16"]
+    assert [str(float_in_dtypes(e).pop()) for e in dots] == [
+        "bfloat16",
+        "bfloat16",
+        "float16",
+    ]
     policy = lowtrain.get_policy("fp16").with_scopes({"eqx.nn.Lin*": "float32"})
     dots = eqns_of(lowtrain.amp(f, policy), x, prim="dot_general")
-    assert [str(float_in_dtypes(e).pop()) for e in dots] == ["float32", "float32", "float16"]
+    assert [str(float_in_dtypes(e).pop()) for e in dots] == [
+        "float32",
+        "float32",
+        "float16",
+    ]
 
 
 def test_primitive_rules():

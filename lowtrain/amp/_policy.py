@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._rules import ACTIONS, DEFAULT_RULES, KEEP
+from ._rules import ACTIONS, DEFAULT_RULES, KEEP, WIDEST
 
 # `amp_stop` opens a `jax.named_scope` with this name; the policy maps it to "keep".
 AMP_STOP_SCOPE = "lowtrain.amp_stop"
@@ -55,14 +55,18 @@ def _action(value, what: str) -> str:
         ) from None
 
 
-def _table(mapping: Mapping[str, object] | None, what: str) -> tuple:
+def _mapping(mapping: Mapping[str, object] | None, what: str) -> dict:
     if mapping is None:
-        return ()
+        return {}
     if not isinstance(mapping, Mapping):
         raise TypeError(
             f"Expected a mapping for `{what}` such as {{'exp': 'float32'}}, got "
             f"{type(mapping).__name__} instead."
         )
+    return dict(mapping)
+
+
+def _table(mapping: Mapping[str, object], what: str) -> tuple:
     return tuple(
         (str(k), _action(v, f"{what}[{k!r}]")) for k, v in sorted(mapping.items())
     )
@@ -87,7 +91,9 @@ class Policy(eqx.Module):
     import lowtrain
 
     policy = lowtrain.Policy(
-        compute_dtype=jnp.bfloat16, scopes={"head": "float32"}, rules={"tanh": "compute"}
+        compute_dtype=jnp.bfloat16,
+        scopes={"head": "float32"},
+        rules={"tanh": "compute"},
     )
     assert policy.action("dot_general", ()) == "compute"
     assert policy.action("dot_general", ("head",)) == "float32"
@@ -114,11 +120,13 @@ class Policy(eqx.Module):
         self.output_dtype = _float_dtype(
             self.param_dtype if output_dtype is None else output_dtype, "output_dtype"
         )
-        self.rules = _table({**DEFAULT_RULES, **(rules or {})}, "rules")
-        self.scopes = _table({AMP_STOP_SCOPE: KEEP, **(scopes or {})}, "scopes")
+        self.rules = _table({**DEFAULT_RULES, **_mapping(rules, "rules")}, "rules")
+        self.scopes = _table(
+            {AMP_STOP_SCOPE: KEEP, **_mapping(scopes, "scopes")}, "scopes"
+        )
 
     def with_rules(self, **rules) -> Policy:
-        """A copy with these primitive rules added, e.g. `with_rules(tanh="compute")`."""
+        """A copy with these primitive rules added: `with_rules(tanh="compute")`."""
         return Policy(
             self.param_dtype,
             self.compute_dtype,
@@ -128,7 +136,7 @@ class Policy(eqx.Module):
         )
 
     def with_scopes(self, scopes: Mapping[str, object]) -> Policy:
-        """A copy with these scope rules added, e.g. `with_scopes({"head": "float32"})`."""
+        """A copy with these scope rules added: `with_scopes({"head": "float32"})`."""
         return Policy(
             self.param_dtype,
             self.compute_dtype,
@@ -138,12 +146,15 @@ class Policy(eqx.Module):
         )
 
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
-        """The action for primitive `primitive` run inside `scopes` (outermost first)."""
+        """The action for primitive `primitive` inside `scopes` (outermost first)."""
+        table = dict(self.scopes)
         for scope in scopes:
+            if scope in table:  # an exact name beats a glob
+                return table[scope]
             for pattern, act in self.scopes:
                 if fnmatch.fnmatchcase(scope, pattern):
                     return act
-        return dict(self.rules).get(primitive, "widest")
+        return dict(self.rules).get(primitive, WIDEST)
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
         """Cast the float arrays of `tree` to `param_dtype`."""
@@ -172,7 +183,12 @@ _PRESETS = {
     "bf16": ("float32", "bfloat16", "float32"),
     "fp16": ("float32", "float16", "float32"),
 }
-_PRESET_ALIASES = {"float32": "fp32", "full": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_PRESET_ALIASES = {
+    "float32": "fp32",
+    "full": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+}
 _KEYS = {"params": 0, "p": 0, "compute": 1, "c": 1, "output": 2, "o": 2}
 
 
@@ -207,8 +223,8 @@ def get_policy(name: str) -> Policy:
         k = k.strip().lower()
         if k not in _KEYS or not v.strip():
             raise ValueError(
-                f"Cannot parse {part!r} in policy {name!r}: expected `KEY=DTYPE` with KEY "
-                "one of params/p, compute/c, output/o."
+                f"Cannot parse {part!r} in policy {name!r}: expected `KEY=DTYPE` with "
+                "KEY one of params/p, compute/c, output/o."
             )
         dtypes[_KEYS[k]] = v.strip()
     param, compute, output = dtypes

@@ -3,8 +3,9 @@
 A rule is an *action* (a string, so policies stay plain data that Hydra can write):
 - "compute": cast float inputs to the policy's compute dtype;
 - "float32": cast float inputs to at least float32;
-- "widest": cast float inputs to the widest float dtype among them, ignoring weakly typed
-  scalars such as the `2.0` in `x * 2.0` (the default for every primitive not listed);
+- "widest": cast float inputs to the widest float dtype among them, ignoring weakly
+  typed scalars such as the `2.0` in `x * 2.0` (the default for every primitive not
+  listed);
 - "keep": cast float inputs back to the dtype the program was traced with (what
   `amp_stop` does to a whole region);
 - a float dtype name ("float32", "bfloat16", ...): cast float inputs to that dtype.
@@ -18,12 +19,12 @@ WIDEST = "widest"
 KEEP = "keep"
 ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP)
 
-# Matmuls and convolutions carry almost all the FLOPs and are what tensor cores speed up.
-# They run in the compute dtype and also return it, so the activations they produce (and
-# the residuals saved for the backward pass) are half-size. Products are accumulated in
-# float32: XLA's GPU backend asks cuBLAS/cuDNN for a float32 compute type on half inputs,
-# and its CPU backend upcasts half-precision dots to float32 (`tests/test_amp.py` checks
-# this on the CPU with a sum that float16 accumulation would get wrong).
+# Matmuls and convolutions carry almost all the FLOPs and are what tensor cores speed
+# up. They run in the compute dtype and also return it, so the activations they
+# produce (and the residuals saved for the backward pass) are half-size. Products are
+# accumulated in float32: XLA's GPU backend asks cuBLAS/cuDNN for a float32 compute
+# type on half inputs, and its CPU backend upcasts half-precision dots to float32
+# (`test_accumulation_is_float32` checks this with a sum that float16 would get wrong).
 _MATMUL = {
     "dot_general": COMPUTE,
     "conv_general_dilated": COMPUTE,

@@ -1,0 +1,76 @@
+"""Fails loudly when the JAX internals lowtrain relies on change (see _compat.py)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import lowtrain
+from lowtrain import _compat
+
+from .helpers import iter_eqns
+
+
+@jax.custom_vjp
+def _sin(x):
+    return jnp.sin(x)
+
+
+_sin.defvjp(lambda x: (jnp.sin(x), x), lambda r, c: (c * jnp.cos(r),))
+
+
+def _program(x):
+    y = jax.jit(jnp.sin)(x)
+    y = _sin(jax.nn.relu(y))
+    y, _ = lax.scan(lambda c, _: (c * 2.0, None), y, None, length=2)
+    y = lax.cond(jnp.sum(y) > 0, lambda a: a, lambda a: -a, y)
+    y = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 1.5), (0, y))[1]
+    return jax.checkpoint(jnp.exp)(y)
+
+
+def _higher_order_eqns():
+    jaxpr = jax.make_jaxpr(_program)(jnp.ones(3))
+    return [e for e in iter_eqns(jaxpr) if e.primitive.name in _compat.KNOWN_PARAMS]
+
+
+def test_every_higher_order_primitive_is_seen():
+    seen = {e.primitive.name for e in _higher_order_eqns()}
+    assert seen == set(_compat.KNOWN_PARAMS), (
+        f"JAX renamed a higher-order primitive: expected "
+        f"{sorted(_compat.KNOWN_PARAMS)}, "
+        f"got {sorted(seen)}. Update lowtrain/_compat.py."
+    )
+
+
+@pytest.mark.parametrize("name", sorted(_compat.KNOWN_PARAMS))
+def test_primitive_params_unchanged(name):
+    for eqn in _higher_order_eqns():
+        if eqn.primitive.name != name:
+            continue
+        params = set(eqn.params)
+        missing = _compat.USED_PARAMS[name] - params
+        new = params - _compat.KNOWN_PARAMS[name]
+        assert not missing, f"JAX {jax.__version__} removed `{name}` params {missing}."
+        assert not new, (
+            f"JAX {jax.__version__} added `{name}` params {new}: check that the rule "
+            "in lowtrain/_interpret.py may drop them, then list them in "
+            "_compat.KNOWN_PARAMS."
+        )
+
+
+def test_internal_hooks_still_work():
+    # The custom rule extractors return jaxprs of the documented shapes.
+    eqns = {e.primitive.name: e for e in _higher_order_eqns()}
+    jvp, out_zeros = _compat.custom_jvp_rule_jaxpr(eqns["custom_jvp_call"].params, 1)
+    assert len(jvp.in_avals) == 2 and out_zeros == (False,)
+    fwd, forwards, bwd = _compat.custom_vjp_rule_parts(
+        eqns["custom_vjp_call"].params, 1
+    )
+    assert len(fwd.out_avals) + sum(f is not None for f in forwards) == 2
+    scopes = jax.make_jaxpr(lambda x: jax.named_scope("a")(jnp.sin)(x))(jnp.ones(2))
+    assert _compat.eqn_scopes(scopes.jaxpr.eqns[0]) == ("a",)
+
+
+def test_supported_version():
+    _compat.check_version()
+    assert lowtrain.__version__
