@@ -4,8 +4,6 @@ from . import _compat
 
 _compat.check_version()
 
-from ._interpret import Interpreter as Interpreter  # noqa: E402
-from ._interpret import register_higher_order as register_higher_order  # noqa: E402
 from .amp import DEFAULT_RULES as DEFAULT_RULES  # noqa: E402
 from .amp import Policy as Policy  # noqa: E402
 from .amp import amp as amp  # noqa: E402

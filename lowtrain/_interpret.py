@@ -91,9 +91,9 @@ class Interpreter:
         """Called for a higher-order primitive with no registered rule."""
         raise NotImplementedError(
             f"lowtrain cannot transform the higher-order primitive `{eqn.primitive}`: "
-            "it holds sub-jaxprs and no rule is registered for it. Register one with "
-            "`lowtrain.register_higher_order(primitive)`, or keep the call out of the "
-            "transform."
+            "it holds sub-jaxprs and no rule is registered for it. Wrap the call in "
+            "`lowtrain.amp_stop` to run it unchanged in the precision it was written "
+            "in, or register a rule with `lowtrain._interpret.register_higher_order`."
         )
 
     def eval_jaxpr(

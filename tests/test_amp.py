@@ -461,5 +461,8 @@ def test_errors():
     def solve(x):
         return lax.custom_linear_solve(lambda v: 2.0 * v, x, lambda mv, b: b / 2.0)
 
-    with pytest.raises(NotImplementedError, match="custom_linear_solve.*register"):
+    with pytest.raises(NotImplementedError, match="custom_linear_solve.*amp_stop"):
         lowtrain.amp(solve, "fp16")(jnp.ones(3))
+    # Inside amp_stop it runs unchanged, in float32.
+    stopped = lowtrain.amp(lambda x: lowtrain.amp_stop(solve)(x) @ x, "fp16")
+    np.testing.assert_allclose(stopped(jnp.ones(3)), 1.5)

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-import lowtrain
-from lowtrain._interpret import Interpreter, call_transformed
+from lowtrain._interpret import Interpreter, call_transformed, register_higher_order
 
 from .test_compat import _program
 
@@ -88,7 +87,7 @@ def test_call_transformed_interprets_the_backward_pass():
 
 def test_register_twice_is_an_error():
     with pytest.raises(ValueError, match="already registered"):
-        lowtrain.register_higher_order(jax.extend.core.primitives.scan_p)(lambda *a: a)
+        register_higher_order(jax.extend.core.primitives.scan_p)(lambda *a: a)
 
 
 def test_unsupported_higher_order_primitive():

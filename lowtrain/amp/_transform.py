@@ -67,6 +67,14 @@ class _AmpInterpreter(Interpreter):
                 return eqn.bind(*args, preferred_element_type=float_args[0])
         return eqn.bind(*args)
 
+    def unsupported(self, eqn: Eqn, *invals) -> list:
+        # Inside `amp_stop` (or any "keep" scope) a higher-order op we cannot look into
+        # runs as written: inputs cast back to their traced dtypes, bound unchanged.
+        if self.policy.action(eqn.primitive.name, eqn.scopes) != KEEP:
+            return super().unsupported(eqn, *invals)
+        args = [_cast(jnp.asarray(v), a.dtype) for v, a in zip(invals, eqn.in_avals)]
+        return eqn.bind(*args)
+
     def _target(self, action, invals, weak):
         floats = [v.dtype for v in invals if _is_float(v.dtype)]
         if not floats:

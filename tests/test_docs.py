@@ -1,0 +1,40 @@
+"""Every public name has a docstring with a runnable example, and the examples run."""
+
+import pathlib
+import re
+import textwrap
+
+import jax
+import pytest
+
+import lowtrain
+
+PUBLIC = [
+    name
+    for name in dir(lowtrain)
+    if not name.startswith("_") and callable(getattr(lowtrain, name))
+]
+_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def _blocks(text):
+    return [textwrap.dedent(b) for b in _BLOCK.findall(text or "")]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_docstring_example_runs(name):
+    blocks = _blocks(getattr(lowtrain, name).__doc__)
+    assert blocks, f"`lowtrain.{name}` has no ```python example in its docstring."
+    for block in blocks:
+        with jax.numpy_dtype_promotion("standard"):
+            exec(compile(block, f"<lowtrain.{name} docstring>", "exec"), {})
+
+
+def test_readme_examples_run():
+    readme = pathlib.Path(__file__).parent.parent / "README.md"
+    blocks = _blocks(readme.read_text())
+    assert len(blocks) >= 3
+    namespace = {}
+    for block in blocks:  # the README's blocks build on each other
+        with jax.numpy_dtype_promotion("standard"):
+            exec(compile(block, "<README.md>", "exec"), namespace)
