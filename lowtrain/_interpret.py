@@ -167,9 +167,8 @@ class Interpreter:
         """Types of a loop carry that one more iteration of `step` leaves unchanged.
 
         Starts from the types of `init`, joins them with what `step` returns, and
-        repeats
-        until they stop changing: a carry entered in float16 whose body produces float32
-        is carried in float32.
+        repeats until they stop changing: a carry entered in float16 whose body
+        produces float32 is carried in float32.
         """
         types = [_type_of(v) for v in init]
         for _ in range(4):
@@ -184,7 +183,8 @@ class Interpreter:
 
 
 def _is_float(aval) -> bool:
-    return jnp.issubdtype(getattr(aval, "dtype", None) or jnp.int32, jnp.floating)
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _same_types(a, b) -> bool:
@@ -198,7 +198,7 @@ def _same_types(a, b) -> bool:
 @contextlib.contextmanager
 def _named_scopes(names: tuple[str, ...]):
     # Re-enter the equation's scopes so the transformed program keeps its name stack
-    # (and a second transform, or a profiler, still sees "eqn.nn.Linear" and friends).
+    # (and a second transform, or a profiler, still sees "eqx.nn.Linear" and friends).
     with contextlib.ExitStack() as stack:
         for name in names:
             stack.enter_context(jax.named_scope(name))

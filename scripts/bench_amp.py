@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import ad_checkpoint
 
 import lowtrain
 
@@ -62,10 +63,16 @@ MiB = 2**20
 # --------------------------------------------------------------------------------------
 
 
+# Gathers are written as one-hot products: `lowtrain.amp` cannot yet transform
+# `scatter-add` (the transpose of a gather such as `jnp.take_along_axis` or a batched
+# embedding lookup), whose `update_jaxpr` parameter it takes for a sub-program.
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean softmax cross-entropy of `logits` (..., classes) against integer labels."""
     logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+    onehot = jax.nn.one_hot(labels, logits.shape[-1])
+    return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
 
 
 def mlp_loss(model: eqx.nn.MLP, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -96,7 +103,7 @@ class Block(eqx.Module):
 
 
 class Transformer(eqx.Module):
-    """Token and learned position embeddings, pre-LN blocks, final LN, linear head."""
+    """Token (one-hot) and learned position embeddings, pre-LN blocks, LN, linear head."""
 
     embed: eqx.nn.Embedding
     pos: jax.Array
@@ -116,7 +123,8 @@ class Transformer(eqx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Logits (seq, vocab) for one sequence of token ids (seq,)."""
-        x = jax.vmap(self.embed)(tokens) + self.pos
+        vocab = self.embed.num_embeddings
+        x = jax.nn.one_hot(tokens, vocab) @ self.embed.weight + self.pos
         for block in self.blocks:
             x = block(x)
         return jax.vmap(self.head)(jax.vmap(self.ln_f)(x))
@@ -191,7 +199,8 @@ def _mlp(mlp: eqx.nn.MLP, x: jax.Array, half) -> jax.Array:
 
 def _hand_transformer(model: Transformer, tokens: jax.Array, half) -> jax.Array:
     """Float32 logits of one sequence; `model` holds half-precision parameters."""
-    x = model.embed.weight[tokens] + model.pos
+    onehot = jax.nn.one_hot(tokens, model.embed.num_embeddings).astype(half)
+    x = onehot @ model.embed.weight + model.pos
     for b in model.blocks:
         h = jax.vmap(_layer_norm_f32, in_axes=(None, 0))(b.ln1, x).astype(half)
         x = x + _attention(b.attn, h, half)
@@ -496,7 +505,7 @@ def printed_residual_bytes(f: Callable, *args) -> int:
     """Total bytes of the residuals `jax.ad_checkpoint.print_saved_residuals` prints."""
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
-        jax.ad_checkpoint.print_saved_residuals(f, *args)
+        ad_checkpoint.print_saved_residuals(f, *args)
     sizes = {"f64": 8, "f32": 4, "i32": 4, "u32": 4, "f16": 2, "bf16": 2, "bool": 1}
     total = 0
     for line in buffer.getvalue().splitlines():
