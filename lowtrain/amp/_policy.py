@@ -11,10 +11,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._rules import ACTIONS, DEFAULT_RULES, KEEP, WIDEST
-
-# `amp_stop` opens a `jax.named_scope` with this name; the policy maps it to "keep".
-AMP_STOP_SCOPE = "lowtrain.amp_stop"
+from ._rules import (
+    ACTIONS,
+    AMP_STOP_SCOPE,
+    DEFAULT_RULES,
+    FP8,
+    FP8_PRIMITIVES,
+    KEEP,
+    WIDEST,
+)
 
 _DTYPE_ALIASES = {
     "f32": "float32",
@@ -121,6 +126,12 @@ class Policy(eqx.Module):
             self.param_dtype if output_dtype is None else output_dtype, "output_dtype"
         )
         self.rules = _table({**DEFAULT_RULES, **_mapping(rules, "rules")}, "rules")
+        for prim, act in self.rules:
+            if act == FP8 and prim not in FP8_PRIMITIVES:
+                raise ValueError(
+                    f"The 'fp8' action applies to {', '.join(FP8_PRIMITIVES)} only, "
+                    f"got it for `{prim}`. Use 'compute' or a dtype name for other ops."
+                )
         self.scopes = _table(
             {AMP_STOP_SCOPE: KEEP, **_mapping(scopes, "scopes")}, "scopes"
         )
@@ -182,7 +193,10 @@ _PRESETS = {
     "fp32": ("float32", "float32", "float32"),
     "bf16": ("float32", "bfloat16", "float32"),
     "fp16": ("float32", "float16", "float32"),
+    # Matmuls and convolutions in FP8, everything else as "bf16".
+    "fp8": ("float32", "bfloat16", "float32"),
 }
+_PRESET_RULES = {"fp8": {p: FP8 for p in FP8_PRIMITIVES}}
 _PRESET_ALIASES = {
     "float32": "fp32",
     "full": "fp32",
@@ -193,9 +207,11 @@ _KEYS = {"params": 0, "p": 0, "compute": 1, "c": 1, "output": 2, "o": 2}
 
 
 def get_policy(name: str) -> Policy:
-    """A `Policy` from a name: "fp32", "bf16", "fp16", or a jmp-style string.
+    """A `Policy` from a name: "fp32", "bf16", "fp16", "fp8", or a jmp-style string.
 
-    The presets keep parameters and outputs in float32 and compute in the named dtype.
+    The presets keep parameters and outputs in float32 and compute in the named dtype;
+    "fp8" runs matmuls and convolutions through `lowtrain.fp8` (E4M3 forward, E5M2
+    backward, current scaling) and everything else as "bf16".
     A jmp-style string names each dtype, e.g. "params=float32,compute=bfloat16,
     output=float32" or "p=f32,c=f16,o=f32"; a missing `output` defaults to `params`.
 
@@ -211,7 +227,7 @@ def get_policy(name: str) -> Policy:
         raise TypeError(f"Expected a policy name (str), got {type(name).__name__}.")
     key = _PRESET_ALIASES.get(name.strip().lower(), name.strip().lower())
     if key in _PRESETS:
-        return Policy(*_PRESETS[key])
+        return Policy(*_PRESETS[key], rules=_PRESET_RULES.get(key))
     if "=" not in name:
         raise ValueError(
             f"Unknown policy {name!r}. Expected one of {', '.join(_PRESETS)} or a "

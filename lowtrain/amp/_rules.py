@@ -8,6 +8,9 @@ A rule is an *action* (a string, so policies stay plain data that Hydra can writ
   listed);
 - "keep": cast float inputs back to the dtype the program was traced with (what
   `amp_stop` does to a whole region);
+- "fp8" (matmuls and convolutions only): run through `lowtrain.fp8`'s FP8 path (E4M3
+  operands forward, E5M2 cotangent backward, per-tensor current scaling), returning
+  the compute dtype;
 - a float dtype name ("float32", "bfloat16", ...): cast float inputs to that dtype.
 """
 
@@ -17,7 +20,12 @@ COMPUTE = "compute"
 FLOAT32 = "float32"
 WIDEST = "widest"
 KEEP = "keep"
-ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP)
+FP8 = "fp8"
+ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP, FP8)
+FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+# `amp_stop` opens a `jax.named_scope` with this name; every policy maps it to "keep".
+AMP_STOP_SCOPE = "lowtrain.amp_stop"
 
 # Matmuls and convolutions carry almost all the FLOPs and are what tensor cores speed
 # up. They run in the compute dtype and also return it, so the activations they

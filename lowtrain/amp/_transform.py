@@ -13,7 +13,7 @@ import numpy as np
 
 from .._interpret import Eqn, Interpreter, call_transformed
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
-from ._rules import COMPUTE, FLOAT32, KEEP, WIDEST
+from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
 
 
 def _is_float(dtype) -> bool:
@@ -48,6 +48,8 @@ class _AmpInterpreter(Interpreter):
             return eqn.bind(*invals)
         action = self.policy.action(name, eqn.scopes)
         invals = [jnp.asarray(v) if not hasattr(v, "dtype") else v for v in invals]
+        if action == FP8:
+            return [self._fp8(eqn, *invals)]
         if action == KEEP:
             args = [
                 _cast(v, a.dtype) if _is_float(v.dtype) else v
@@ -74,6 +76,17 @@ class _AmpInterpreter(Interpreter):
             return super().unsupported(eqn, *invals)
         args = [_cast(jnp.asarray(v), a.dtype) for v, a in zip(invals, eqn.in_avals)]
         return eqn.bind(*args)
+
+    def _fp8(self, eqn: Eqn, lhs, rhs):
+        from .. import fp8  # lowtrain.fp8 builds on amp's scope names: import late
+
+        out = self.policy.compute_dtype
+        if eqn.primitive.name == "dot_general":
+            dn = eqn.params["dimension_numbers"]
+            return fp8.fp8_dot_general(lhs, rhs, dn, out_dtype=out)
+        params = dict(eqn.params)
+        params.pop("preferred_element_type")
+        return fp8.fp8_conv_general_dilated(lhs, rhs, out_dtype=out, **params)
 
     def _target(self, action, invals, weak):
         floats = [v.dtype for v in invals if _is_float(v.dtype)]

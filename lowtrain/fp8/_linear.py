@@ -1,0 +1,131 @@
+"""`Fp8Linear`: an Equinox linear layer whose matmul runs in FP8, and delayed scaling's
+overwrite-with-gradient plumbing (`pop_scales`, `put_scales`)."""
+
+from __future__ import annotations
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from ._dot import fp8_dot_general, fp8_dot_general_delayed
+from ._formats import E4M3, E5M2
+from ._quantize import DelayedScale
+
+
+class Fp8Linear(eqx.Module):
+    """`eqx.nn.Linear`, with its matmul in FP8 (E4M3 forward, E5M2 backward).
+
+    Call it on a whole batch, `x` of shape `(..., in_features)`: scales are per tensor,
+    so do not `jax.vmap` it. With `delayed=False` (the default) each step scales every
+    tensor by its own amax (current scaling, stateless). With `delayed=True` the layer
+    holds a `DelayedScale` for its input, weight and output gradient, and quantizes
+    with the scale computed from the last `history` steps' amaxes. That state is
+    updated in the backward pass and comes back *as the gradient* of those fields
+    (Flax's "overwrite with gradient"): take it out of the gradients before the
+    optimizer sees them with `pop_scales` and put it into the updated model with
+    `put_scales` (`lowtrain.Trainer` does both).
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import lowtrain.fp8 as fp8
+
+    layer = fp8.Fp8Linear(4, 3, delayed=True, key=jax.random.key(0))
+    x = jnp.ones((2, 4))
+    opt = optax.sgd(0.1)
+    opt_state = opt.init(eqx.filter(layer, eqx.is_inexact_array))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+    grads, scales = fp8.pop_scales(grads)  # the new delayed-scaling state
+    updates, opt_state = opt.update(grads, opt_state)
+    layer = fp8.put_scales(eqx.apply_updates(layer, updates), scales)
+    assert layer.x_scale.amax_history[0] == 1.0
+    ```
+    """
+
+    weight: Array
+    bias: Array | None
+    x_scale: DelayedScale | None
+    w_scale: DelayedScale | None
+    g_scale: DelayedScale | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    margin: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        use_bias: bool = True,
+        *,
+        delayed: bool = False,
+        history: int = 16,
+        margin: int = 0,
+        dtype=None,
+        key: PRNGKeyArray,
+    ):
+        dtype = dtype or jnp.float32
+        wkey, bkey = jax.random.split(key)
+        lim = 1 / math.sqrt(in_features)
+        self.weight = jax.random.uniform(
+            wkey, (out_features, in_features), dtype, -lim, lim
+        )
+        self.bias = (
+            jax.random.uniform(bkey, (out_features,), dtype, -lim, lim)
+            if use_bias
+            else None
+        )
+        make = lambda fmt: DelayedScale(fmt, history=history, margin=margin)
+        self.x_scale = make(E4M3) if delayed else None
+        self.w_scale = make(E4M3) if delayed else None
+        self.g_scale = make(E5M2) if delayed else None
+        self.in_features, self.out_features, self.margin = (
+            in_features,
+            out_features,
+            margin,
+        )
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Expected input of shape (..., {self.in_features}), got {x.shape}."
+            )
+        dn = (((x.ndim - 1,), (1,)), ((), ()))  # x (..., in) . weight (out, in)
+        if self.x_scale is None:
+            y = fp8_dot_general(x, self.weight, dn, margin=self.margin)
+        else:
+            y = fp8_dot_general_delayed(
+                x, self.weight, dn, self.x_scale, self.w_scale, self.g_scale
+            )
+        if self.bias is None:
+            return y
+        return y + jnp.broadcast_to(self.bias.astype(y.dtype), y.shape)
+
+
+def _is_scale(x) -> bool:
+    return isinstance(x, DelayedScale)
+
+
+def pop_scales(grads: PyTree) -> tuple[PyTree, PyTree]:
+    """Split gradients into (gradients with zeros for delayed-scaling state, the new
+    delayed-scaling state). The zeros keep the optimizer (and gradient clipping, norms,
+    finiteness checks) from seeing the state. See `Fp8Linear` for an example."""
+    zero = lambda s: jax.tree.map(jnp.zeros_like, s) if _is_scale(s) else s
+    keep = lambda s: s if _is_scale(s) else None
+    return (
+        jax.tree.map(zero, grads, is_leaf=_is_scale),
+        jax.tree.map(keep, grads, is_leaf=_is_scale),
+    )
+
+
+def put_scales(model: PyTree, scales: PyTree) -> PyTree:
+    """`model` with its `DelayedScale`s replaced by those of `scales` (from
+    `pop_scales`), exactly. See `Fp8Linear` for an example."""
+    pick = lambda m, s: s if _is_scale(s) else m
+    return jax.tree.map(
+        pick, model, scales, is_leaf=lambda x: _is_scale(x) or x is None
+    )

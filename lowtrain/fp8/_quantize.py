@@ -1,0 +1,161 @@
+"""Saturating FP8 casts and per-tensor scales.
+
+Convention (the one all of lowtrain uses, as scalify's `ScaledArray`): a tensor `x` is
+represented by FP8 `data` and a float32 `scale` with `x ~= data * scale`. So quantizing
+divides by the scale and dequantizing multiplies by it.
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+from ._formats import fp8_max
+
+F32 = jnp.float32
+
+
+def quantize(x: ArrayLike, dtype, scale: ArrayLike = 1.0) -> Array:
+    """FP8 `data` with `x ~= data * scale`: `x / scale`, clipped to the format, cast.
+
+    Saturating, as the FP8 formats paper prescribes: values beyond the format's range
+    (and infinities) become `+-max` (448 for E4M3, 57344 for E5M2) instead of NaN (E4M3
+    has no infinity: a bare `astype` turns anything at or above 464 into NaN) or inf
+    (E5M2). NaN stays NaN. Rounding is to nearest, ties to even, and subnormals are
+    kept, exactly as `ml_dtypes` casts.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    data = fp8.quantize(jnp.array([1e4, -jnp.inf, 3.0]), fp8.E4M3, scale=2.0)
+    assert data.dtype == fp8.E4M3
+    assert data.astype(jnp.float32).tolist() == [448.0, -448.0, 1.5]
+    ```
+    """
+    fmax = fp8_max(dtype)
+    scaled = jnp.asarray(x).astype(F32) / jnp.asarray(scale, F32)
+    return jnp.clip(scaled, -fmax, fmax).astype(dtype)
+
+
+def dequantize(data: ArrayLike, scale: ArrayLike = 1.0, dtype=F32) -> Array:
+    """The value `data * scale`, in `dtype` (float32 by default).
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    x = jnp.array([0.1, 2.0, -300.0])
+    s = fp8.current_scale(x, fp8.E4M3)
+    assert jnp.allclose(fp8.dequantize(fp8.quantize(x, fp8.E4M3, s), s), x, rtol=0.07)
+    ```
+    """
+    dtype = jnp.dtype(dtype)
+    return jnp.asarray(data).astype(dtype) * jnp.asarray(scale).astype(dtype)
+
+
+def compute_scale(
+    amax: ArrayLike,
+    dtype,
+    *,
+    margin: int = 0,
+    pow2: bool = False,
+    last: ArrayLike = 1.0,
+) -> Float[Array, ""]:
+    """The scale that maps `amax` to the format's max: `amax / max * 2**margin`.
+
+    `margin` leaves `2**margin` of headroom; `pow2=True` rounds the scale up to a power
+    of two (so scaling is exact in every format). A zero or non-finite `amax` keeps
+    `last` (the previous scale, or 1.0): a step of all zeros or an overflow must not
+    poison the next one.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    assert fp8.compute_scale(896.0, fp8.E4M3) == 2.0
+    assert fp8.compute_scale(900.0, fp8.E4M3, pow2=True) == 4.0
+    assert fp8.compute_scale(jnp.inf, fp8.E4M3, last=0.5) == 0.5
+    ```
+    """
+    amax = jnp.asarray(amax, F32)
+    scale = amax / fp8_max(dtype) * 2.0**margin
+    if pow2:
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    ok = jnp.isfinite(amax) & (amax > 0)
+    return jnp.where(ok, scale, jnp.asarray(last, F32))
+
+
+def amax(x: ArrayLike) -> Float[Array, ""]:
+    """`max(|x|)` in float32."""
+    return jnp.max(jnp.abs(jnp.asarray(x))).astype(F32)
+
+
+def current_scale(
+    x: ArrayLike, dtype, *, margin: int = 0, pow2: bool = False
+) -> Float[Array, ""]:
+    """Current scaling: the scale of `x` from its own amax (see `compute_scale`).
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    assert fp8.current_scale(jnp.array([-896.0, 1.0]), fp8.E4M3) == 2.0
+    ```
+    """
+    return compute_scale(amax(x), dtype, margin=margin, pow2=pow2)
+
+
+class DelayedScale(eqx.Module):
+    """Delayed scaling (Transformer Engine / Flax style) for one tensor.
+
+    Holds the amaxes of the last `H` steps (`amax_history[0]` the newest) and the scale
+    to use now. A step quantizes with `scale` and then calls `update(amax_now)`, which
+    pushes the new amax (a non-finite one as 0) and sets the next scale to
+    `compute_scale(max(amax_history), dtype, margin, pow2, last=scale)`.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    s = fp8.DelayedScale(fp8.E4M3, history=2)
+    s = s.update(jnp.float32(896.0)).update(jnp.float32(448.0))
+    assert s.amax_history.tolist() == [448.0, 896.0] and s.scale == 2.0
+    ```
+    """
+
+    amax_history: Float[Array, " history"]
+    scale: Float[Array, ""]
+    dtype: jnp.dtype = eqx.field(static=True)
+    margin: int = eqx.field(static=True)
+    pow2: bool = eqx.field(static=True)
+
+    def __init__(
+        self, dtype, *, history: int = 16, margin: int = 0, pow2: bool = False
+    ):
+        fp8_max(dtype)  # validates
+        if history < 1:
+            raise ValueError(f"Expected `history` >= 1, got {history} instead.")
+        self.amax_history = jnp.zeros(history, F32)
+        self.scale = jnp.ones((), F32)
+        self.dtype = jnp.dtype(dtype)
+        self.margin = margin
+        self.pow2 = pow2
+
+    def update(self, amax_now: ArrayLike) -> DelayedScale:
+        """The state after a step whose tensor had amax `amax_now`."""
+        amax_now = jnp.asarray(amax_now, F32)
+        # An overflowed step's inf/NaN amax is recorded as 0 (ignored), so it cannot
+        # block the window for `history` steps.
+        amax_now = jnp.where(jnp.isfinite(amax_now), amax_now, 0.0)
+        history = jnp.roll(self.amax_history, 1).at[0].set(amax_now)
+        scale = compute_scale(
+            jnp.max(history),
+            self.dtype,
+            margin=self.margin,
+            pow2=self.pow2,
+            last=self.scale,
+        )
+        new = eqx.tree_at(lambda s: s.amax_history, self, history)
+        return eqx.tree_at(lambda s: s.scale, new, scale)

@@ -1,0 +1,271 @@
+"""`lowtrain.fp8`: hardware-exact casts, scaled FP8 matmuls, the fp8 policy."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import lowtrain
+import lowtrain.fp8 as fp8
+
+from .helpers import make_jaxpr
+from .test_amp import Block
+
+F8 = {np.dtype(fp8.E4M3), np.dtype(fp8.E5M2)}
+DN = (((1,), (0,)), ((), ()))
+
+
+def test_formats():
+    assert fp8.E4M3 == jnp.float8_e4m3fn and fp8.E5M2 == jnp.float8_e5m2
+    assert (fp8.E4M3_MAX, fp8.E5M2_MAX) == (448.0, 57344.0)
+    with pytest.raises(ValueError, match="Expected an FP8 dtype.*float16"):
+        fp8.fp8_max(jnp.float16)
+
+
+@pytest.mark.parametrize(
+    "dtype, ref",
+    [(fp8.E4M3, ml_dtypes.float8_e4m3fn), (fp8.E5M2, ml_dtypes.float8_e5m2)],
+)
+def test_quantize_matches_ml_dtypes_in_range(dtype, ref, getkey):
+    fmax = fp8.fp8_max(dtype)
+    # Every magnitude from below the smallest subnormal to the max.
+    mags = jnp.exp2(
+        jax.random.uniform(getkey(), (4096,), minval=-20, maxval=np.log2(fmax))
+    )
+    x = mags * jnp.sign(jax.random.normal(getkey(), (4096,)))
+    ours = np.asarray(fp8.quantize(x, dtype)).view(np.uint8)
+    theirs = np.asarray(x).astype(ref).view(np.uint8)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2])
+def test_quantize_saturates_and_keeps_nan(dtype):
+    fmax = fp8.fp8_max(dtype)
+    x = jnp.array([fmax, 2 * fmax, 1e30, jnp.inf, -jnp.inf, -3 * fmax, jnp.nan])
+    out = fp8.quantize(x, dtype).astype(jnp.float32)
+    np.testing.assert_array_equal(out[:6], [fmax, fmax, fmax, fmax, -fmax, -fmax])
+    assert jnp.isnan(out[6])
+    # The bare cast is what goes wrong: NaN for E4M3, inf for E5M2.
+    bare = x[1:2].astype(dtype).astype(jnp.float32)
+    assert not jnp.isfinite(bare[0])
+
+
+def test_round_to_nearest_even_and_subnormals():
+    # E4M3 spacing at 1 is 1/8: ties go to the even mantissa.
+    x = jnp.array([1.0625, 1.1875, 2.0**-9, 3 * 2.0**-9, 2.0**-10, 0.75 * 2.0**-9])
+    out = fp8.quantize(x, fp8.E4M3).astype(jnp.float32).tolist()
+    assert out == [1.0, 1.25, 2.0**-9, 3 * 2.0**-9, 0.0, 2.0**-9]
+
+
+def test_scale_direction():
+    # value = data * scale: quantize divides, dequantize multiplies.
+    data = fp8.quantize(jnp.array([12.0]), fp8.E4M3, scale=4.0)
+    assert data.astype(jnp.float32)[0] == 3.0
+    assert fp8.dequantize(data, 4.0)[0] == 12.0
+
+
+def test_compute_scale():
+    assert fp8.compute_scale(448.0, fp8.E4M3) == 1.0
+    assert fp8.compute_scale(448.0, fp8.E4M3, margin=1) == 2.0
+    assert fp8.compute_scale(500.0, fp8.E4M3, pow2=True) == 2.0
+    assert fp8.compute_scale(0.0, fp8.E4M3, last=3.0) == 3.0
+    assert fp8.compute_scale(jnp.nan, fp8.E5M2, last=3.0) == 3.0
+    x = jnp.array([-57344.0 * 4, 1.0])
+    assert fp8.current_scale(x, fp8.E5M2) == 4.0
+
+
+def _rel_err(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("magnitude", [1e-4, 1e4])
+def test_fp8_dot_accuracy_needs_scaling(magnitude, getkey):
+    x = jax.random.normal(getkey(), (32, 64)) * magnitude
+    w = jax.random.normal(getkey(), (64, 16)) * magnitude
+    ref = x @ w
+    assert _rel_err(fp8.fp8_dot_general(x, w, DN), ref) < 0.05
+    # The same inputs cast without scaling underflow (1e-4) or saturate (1e4).
+    naive = fp8.dequantize(fp8.quantize(x, fp8.E4M3)) @ fp8.dequantize(
+        fp8.quantize(w, fp8.E4M3)
+    )
+    assert _rel_err(naive, ref) > 0.5
+
+
+def test_fp8_dot_batched_einsum_and_grads(getkey):
+    q = jax.random.normal(getkey(), (2, 5, 8))
+    k = jax.random.normal(getkey(), (2, 7, 8)) * 300.0
+    dn = (((2,), (2,)), ((0,), (0,)))  # "bqd,bkd->bqk"
+
+    def f(q, k, dot):
+        return jnp.sum(jnp.tanh(dot(q, k, dn) / 300.0))
+
+    ours = jax.grad(f, argnums=(0, 1))(q, k, fp8.fp8_dot_general)
+    ref = jax.grad(f, argnums=(0, 1))(q, k, jax.lax.dot_general)
+    for a, b in zip(ours, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert _rel_err(a, b) < 0.1
+
+
+def _operand_sources(jaxpr):
+    """For every dot/conv in every sub-jaxpr: the FP8 dtypes its operands come from."""
+    out = []
+    for sub in [jaxpr.jaxpr, *_subjaxprs(jaxpr.jaxpr)]:
+        producer = {v: e for e in sub.eqns for v in e.outvars}
+        for e in sub.eqns:
+            if e.primitive.name not in ("dot_general", "conv_general_dilated"):
+                continue
+            srcs = []
+            for v in e.invars:
+                srcs.append(_fp8_source(v, producer))
+            out.append(tuple(srcs))
+    return out
+
+
+def _subjaxprs(jaxpr):
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    for e in jaxpr.eqns:
+        for v in e.params.values():
+            for s in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(s, (ClosedJaxpr, Jaxpr)):
+                    s = s.jaxpr if isinstance(s, ClosedJaxpr) else s
+                    yield s
+                    yield from _subjaxprs(s)
+
+
+def _fp8_source(var, producer):
+    """The FP8 dtype a dequantized operand (`convert(data_f8) * scale`) came from."""
+    eqn = producer.get(var)
+    # Layout-only ops between the dequantize and the matmul (a conv transpose reverses
+    # the kernel) do not change the values.
+    while eqn is not None and eqn.primitive.name in ("rev", "transpose", "reshape"):
+        eqn = producer.get(eqn.invars[0])
+    if eqn is not None and eqn.primitive.name == "mul":
+        for v in eqn.invars:
+            src = producer.get(v)
+            if src is not None and src.primitive.name == "convert_element_type":
+                if src.invars[0].aval.dtype in F8:
+                    return str(src.invars[0].aval.dtype)
+    return None
+
+
+def test_backward_cotangent_is_e5m2(getkey):
+    x = jax.random.normal(getkey(), (4, 8))
+    w = jax.random.normal(getkey(), (8, 3))
+    f = lambda x, w: jnp.sum(fp8.fp8_dot_general(x, w, DN) ** 2)
+    sources = _operand_sources(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
+    assert ("float8_e4m3fn", "float8_e4m3fn") in sources  # forward
+    backward = [s for s in sources if "float8_e5m2" in s]
+    assert len(backward) == 2  # both input gradients, each with the E5M2 cotangent
+    assert all(set(s) == {"float8_e4m3fn", "float8_e5m2"} for s in backward)
+
+
+def _check_all_dots_fp8(jaxpr, min_dots):
+    sources = _operand_sources(jaxpr)
+    assert len(sources) >= min_dots
+    for s in sources:
+        assert None not in s, f"a matmul with a non-FP8 operand: {s}"
+
+
+def test_fp8_policy(getkey):
+    policy = lowtrain.get_policy("fp8")
+    assert policy.compute_dtype == jnp.bfloat16
+    assert policy.action("dot_general", ()) == "fp8"
+    assert policy.action("exp", ()) == "float32"
+    with pytest.raises(ValueError, match="'fp8' action applies to dot_general"):
+        lowtrain.Policy(rules={"exp": "fp8"})
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "block"])
+def test_amp_fp8_every_dot_is_fp8(model_name, maybe_jit, getkey):
+    if model_name == "mlp":
+        model, x, n_dots = eqx.nn.MLP(8, 4, 16, 2, key=getkey()), (5, 8), 3
+    else:
+        model, x, n_dots = Block(16, 4, getkey()), (2, 6, 16), 8
+    x = jax.random.normal(getkey(), x)
+    amp_model = lowtrain.amp(model, "fp8")
+    loss = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
+    _check_all_dots_fp8(make_jaxpr(maybe_jit(loss))(amp_model), n_dots)
+    grad_fn = maybe_jit(eqx.filter_value_and_grad(loss))
+    _check_all_dots_fp8(make_jaxpr(grad_fn)(amp_model), 3 * n_dots - 1)
+    value, grads = grad_fn(amp_model)
+    ref_value, ref_grads = eqx.filter_value_and_grad(loss)(model)
+    assert value.dtype == jnp.float32
+    np.testing.assert_allclose(value, ref_value, rtol=0.1)
+    # E4M3 keeps 3 mantissa bits and E5M2 2: per-leaf gradient errors of 10-20% on
+    # these tiny layers, much less over the whole gradient.
+    ours, ref = jax.tree.leaves(grads.fn), jax.tree.leaves(ref_grads)
+    assert all(g.dtype == jnp.float32 for g in ours)
+    assert all(_rel_err(g, r) < 0.3 for g, r in zip(ours, ref))
+    flat = lambda t: jnp.concatenate([jnp.ravel(v) for v in t])
+    assert _rel_err(flat(ours), flat(ref)) < 0.1
+
+
+def test_fp8_conv(getkey):
+    conv = eqx.nn.Conv2d(2, 3, 3, key=getkey())
+    x = jax.random.normal(getkey(), (2, 8, 8))
+    y = lowtrain.amp(conv, "fp8")(x)
+    assert _rel_err(y, conv(x)) < 0.05
+    grad = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))
+    _check_all_dots_fp8(make_jaxpr(grad)(lowtrain.amp(conv, "fp8")), 3)
+
+
+def test_fp8_linear_current_scaling(getkey):
+    layer = fp8.Fp8Linear(16, 4, key=getkey())
+    x = jax.random.normal(getkey(), (3, 5, 16)) * 1e3
+    ref = x @ layer.weight.T + layer.bias[None, None]
+    assert _rel_err(layer(x), ref) < 0.05
+    with pytest.raises(ValueError, match=r"Expected input of shape \(\.\.\., 16\)"):
+        layer(jnp.ones((3, 4)))
+
+
+def test_delayed_scaling_recurrence(getkey):
+    history, steps = 3, 5
+    layer = fp8.Fp8Linear(
+        4, 2, use_bias=False, delayed=True, history=history, key=getkey()
+    )
+    opt = optax.sgd(0.05)
+    opt_state = opt.init(eqx.filter(layer, eqx.is_inexact_array))
+    xs = [jax.random.normal(getkey(), (3, 4)) * (i + 1) for i in range(steps)]
+    amaxes = {"x": [], "w": [], "g": []}
+
+    @eqx.filter_jit
+    def step(layer, opt_state, x):
+        loss = lambda m: jnp.sum(m(x) ** 2)
+        grads = eqx.filter_grad(loss)(layer)
+        grads, scales = fp8.pop_scales(grads)
+        updates, opt_state = opt.update(grads, opt_state)
+        return fp8.put_scales(eqx.apply_updates(layer, updates), scales), opt_state
+
+    for x in xs:
+        y = layer(x)
+        amaxes["x"].append(float(jnp.max(jnp.abs(x))))
+        amaxes["w"].append(float(jnp.max(jnp.abs(layer.weight))))
+        amaxes["g"].append(float(jnp.max(jnp.abs(2 * y))))  # d(sum y^2)/dy
+        layer, opt_state = step(layer, opt_state, x)
+
+    for name, fmt in [("x", fp8.E4M3), ("w", fp8.E4M3), ("g", fp8.E5M2)]:
+        state = getattr(layer, f"{name}_scale")
+        expected = amaxes[name][::-1][:history]
+        np.testing.assert_allclose(state.amax_history, expected, rtol=1e-6)
+        np.testing.assert_allclose(
+            state.scale, max(expected) / fp8.fp8_max(fmt), rtol=1e-6
+        )
+
+
+@pytest.mark.gpu
+def test_fp8_gemm_on_hopper():
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if (
+        not gpus
+        or "H100" not in gpus[0].device_kind
+        and "H200" not in gpus[0].device_kind
+    ):
+        pytest.skip("needs a Hopper GPU (H100/H200) for FP8 GEMMs")
+    x = jnp.ones((256, 256), jnp.bfloat16)
+    f = jax.jit(lambda a, b: fp8.fp8_dot_general(a, b, DN))
+    hlo = f.lower(x, x).compile().as_text()
+    assert "__cublas$lt$matmul$f8" in hlo
