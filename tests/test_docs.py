@@ -8,11 +8,16 @@ import jax
 import pytest
 
 import lowtrain
+import lowtrain.fp8
 
 PUBLIC = [
-    name
-    for name in dir(lowtrain)
-    if not name.startswith("_") and callable(getattr(lowtrain, name))
+    f"{module.__name__}.{name}"
+    for module in (lowtrain, lowtrain.fp8)
+    for name in dir(module)
+    if not name.startswith("_")
+    and callable(getattr(module, name))
+    and not isinstance(getattr(module, name), type(lowtrain))
+    and not name.isupper()  # dtype constants such as E4M3
 ]
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 
@@ -23,11 +28,13 @@ def _blocks(text):
 
 @pytest.mark.parametrize("name", PUBLIC)
 def test_public_docstring_example_runs(name):
-    blocks = _blocks(getattr(lowtrain, name).__doc__)
-    assert blocks, f"`lowtrain.{name}` has no ```python example in its docstring."
+    module, _, attr = name.rpartition(".")
+    obj = getattr({"lowtrain": lowtrain, "lowtrain.fp8": lowtrain.fp8}[module], attr)
+    blocks = _blocks(obj.__doc__)
+    assert blocks, f"`{name}` has no ```python example in its docstring."
     for block in blocks:
         with jax.numpy_dtype_promotion("standard"):
-            exec(compile(block, f"<lowtrain.{name} docstring>", "exec"), {})
+            exec(compile(block, f"<{name} docstring>", "exec"), {})
 
 
 def test_readme_examples_run():

@@ -111,9 +111,26 @@ def _is_scale(x) -> bool:
 
 
 def pop_scales(grads: PyTree) -> tuple[PyTree, PyTree]:
-    """Split gradients into (gradients with zeros for delayed-scaling state, the new
-    delayed-scaling state). The zeros keep the optimizer (and gradient clipping, norms,
-    finiteness checks) from seeing the state. See `Fp8Linear` for an example."""
+    """Split gradients into (gradients with zeros for the delayed-scaling state, the
+    new delayed-scaling state).
+
+    The zeros keep the optimizer (and gradient clipping, norms, finiteness checks)
+    from seeing the state; `put_scales` writes it into the updated model.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    layer = fp8.Fp8Linear(2, 2, delayed=True, key=jax.random.key(0))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(layer)
+    grads, scales = fp8.pop_scales(grads)
+    assert not grads.x_scale.amax_history.any()  # zeros for the optimizer
+    assert scales.x_scale.amax_history[0] == 1.0  # the new state
+    assert fp8.put_scales(layer, scales).x_scale.amax_history[0] == 1.0
+    ```
+    """
     zero = lambda s: jax.tree.map(jnp.zeros_like, s) if _is_scale(s) else s
     keep = lambda s: s if _is_scale(s) else None
     return (
@@ -123,8 +140,21 @@ def pop_scales(grads: PyTree) -> tuple[PyTree, PyTree]:
 
 
 def put_scales(model: PyTree, scales: PyTree) -> PyTree:
-    """`model` with its `DelayedScale`s replaced by those of `scales` (from
-    `pop_scales`), exactly. See `Fp8Linear` for an example."""
+    """`model` with its `DelayedScale`s replaced, exactly, by those of `scales` (from
+    `pop_scales`).
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    layer = fp8.Fp8Linear(2, 2, delayed=True, key=jax.random.key(0))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.full((1, 2), 3.0))))(layer)
+    layer = fp8.put_scales(layer, fp8.pop_scales(grads)[1])
+    assert layer.x_scale.amax_history[0] == 3.0
+    ```
+    """
     pick = lambda m, s: s if _is_scale(s) else m
     return jax.tree.map(
         pick, model, scales, is_leaf=lambda x: _is_scale(x) or x is None

@@ -88,7 +88,15 @@ def compute_scale(
 
 
 def amax(x: ArrayLike) -> Float[Array, ""]:
-    """`max(|x|)` in float32."""
+    """`max(|x|)` in float32.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    assert fp8.amax(jnp.array([1.0, -3.0], jnp.bfloat16)) == 3.0
+    ```
+    """
     return jnp.max(jnp.abs(jnp.asarray(x))).astype(F32)
 
 
