@@ -97,6 +97,25 @@ USED_PARAMS: dict[str, frozenset[str]] = {
 }
 
 
+# First-order primitives whose params hold a small jaxpr describing their combiner
+# (the `add` of scatter-add, the body of a generic reduce). They are not control flow:
+# they go to the interpreter's first-order `rule`, which must rebuild them (the
+# combiner is typed for the traced dtype) or keep their traced dtypes.
+COMBINER_PRIMITIVES = frozenset(
+    {
+        "scatter",
+        "scatter-add",
+        "scatter-mul",
+        "scatter-min",
+        "scatter-max",
+        "reduce",
+        "reduce_window",
+        "select_and_scatter",
+        "select_and_scatter_add",
+    }
+)
+
+
 def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
     """The `jax.named_scope` names around `eqn`, outermost first (no transforms)."""
     return tuple(

@@ -151,7 +151,9 @@ class Interpreter:
             with _named_scopes(_compat.eqn_scopes(jeqn)):
                 if jeqn.primitive in HIGHER_ORDER_RULES:
                     outvals = HIGHER_ORDER_RULES[jeqn.primitive](self, eqn, *invals)
-                elif any(True for _ in _compat.jaxprs_in_params(jeqn.params)):
+                elif jeqn.primitive.name not in _compat.COMBINER_PRIMITIVES and any(
+                    True for _ in _compat.jaxprs_in_params(jeqn.params)
+                ):
                     outvals = self.unsupported(eqn, *invals)
                 else:
                     outvals = self.rule(eqn, *invals)

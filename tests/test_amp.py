@@ -466,3 +466,30 @@ def test_errors():
     # Inside amp_stop it runs unchanged, in float32.
     stopped = lowtrain.amp(lambda x: lowtrain.amp_stop(solve)(x) @ x, "fp16")
     np.testing.assert_allclose(stopped(jnp.ones(3)), 1.5)
+
+
+def test_cross_entropy_with_integer_labels(maybe_jit, getkey):
+    # take_along_axis's backward is a scatter-add, whose combiner jaxpr is typed: it
+    # is rebuilt for the new dtype (and, by the default rules, accumulates in f32).
+    w = jax.random.normal(getkey(), (8, 5))
+    x = jax.random.normal(getkey(), (6, 8))
+    y = jnp.array([0, 1, 2, 3, 4, 0])
+
+    def loss(w, x, y):
+        logp = jax.nn.log_softmax(x @ w)
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], 1))
+
+    grad = maybe_jit(jax.grad(lowtrain.amp(loss, "fp16")))
+    np.testing.assert_allclose(grad(w, x, y), jax.grad(loss)(w, x, y), atol=2e-3)
+    scatters = eqns_of(grad, w, x, y, prim="scatter-add")
+    assert scatters and all(float_in_dtypes(e) == {F32} for e in scatters)
+
+
+def test_scatter_max_follows_its_inputs():
+    f = lambda x, u: x.at[jnp.array([0, 0, 2])].max(u)
+    x, u = jnp.zeros(3), jnp.array([1.0, 2.0, -1.0])
+    out = lowtrain.amp(f, "p=f32,c=f16,o=f16")(x, u)
+    assert out.dtype == np.float16
+    np.testing.assert_array_equal(out, [2.0, 0.0, 0.0])
+    (scatter,) = eqns_of(lowtrain.amp(f, "fp16"), x, u, prim="scatter-max")
+    assert float_in_dtypes(scatter) == {HALF["fp16"]}

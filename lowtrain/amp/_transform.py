@@ -10,7 +10,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from .._compat import COMBINER_PRIMITIVES
 from .._interpret import Eqn, Interpreter, call_transformed
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
@@ -50,6 +52,11 @@ class _AmpInterpreter(Interpreter):
         invals = [jnp.asarray(v) if not hasattr(v, "dtype") else v for v in invals]
         if action == FP8:
             return [self._fp8(eqn, *invals)]
+        if name in _SCATTERS:
+            return [self._scatter(eqn, action, *invals)]
+        if name in COMBINER_PRIMITIVES:
+            # Their combiner jaxpr is typed for the traced dtypes: keep those.
+            action = KEEP
         if action == KEEP:
             args = [
                 _cast(v, a.dtype) if _is_float(v.dtype) else v
@@ -76,6 +83,23 @@ class _AmpInterpreter(Interpreter):
             return super().unsupported(eqn, *invals)
         args = [_cast(jnp.asarray(v), a.dtype) for v, a in zip(invals, eqn.in_avals)]
         return eqn.bind(*args)
+
+    def _scatter(self, eqn: Eqn, action, operand, indices, updates):
+        # Rebuilt with `lax.scatter_*`, which traces a combiner for the new dtype.
+        if action == KEEP:
+            target = eqn.in_avals[0].dtype
+        else:
+            target = self._target(action, [operand, updates], (False, False))
+        p = eqn.params
+        return _SCATTERS[eqn.primitive.name](
+            _cast(operand, target),
+            indices,
+            _cast(updates, target),
+            p["dimension_numbers"],
+            indices_are_sorted=p["indices_are_sorted"],
+            unique_indices=p["unique_indices"],
+            mode=p["mode"],
+        )
 
     def _fp8(self, eqn: Eqn, lhs, rhs):
         from .. import fp8  # lowtrain.fp8 builds on amp's scope names: import late
@@ -117,6 +141,15 @@ class _AmpInterpreter(Interpreter):
         if _is_float(value.dtype) and _is_float(type_.dtype):
             return _cast(value, type_.dtype)
         return value
+
+
+_SCATTERS = {
+    "scatter": lax.scatter,
+    "scatter-add": lax.scatter_add,
+    "scatter-mul": lax.scatter_mul,
+    "scatter-min": lax.scatter_min,
+    "scatter-max": lax.scatter_max,
+}
 
 
 def _cast_floats(leaves, dtype):

@@ -1,0 +1,71 @@
+"""`StepInfo`, what hooks receive, and the hook registry entry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import equinox as eqx
+
+from ._state import TrainState
+
+
+class StepInfo(eqx.Module):
+    """What a hook (`Trainer.add_hook`) receives after a train step.
+
+    `step` is the number of train steps taken so far, this one included, skipped ones
+    too: it equals `state.step` after the update, so it is 1 after the first step. A
+    hook registered with `every=N` runs when `step % N == 0`. Everywhere else in
+    lowtrain (the metrics file, checkpoint names, errors) "step" means the same.
+
+    - `state`: the `TrainState` after the step. `fit` donates it to the next step, so
+      copy what you keep (e.g. `jax.tree.map(np.asarray, eqx.filter(...))`).
+    - `loss`: this step's loss (float32, unscaled). `aux`: what `loss` returned next
+      to it, or None.
+    - `loss_scale`: the scale after this step's `adjust` (1.0 without loss scaling).
+    - `skipped`: the number of steps skipped so far (non-finite gradients).
+    - `grad_norm`: the global L2 norm of this step's unscaled gradients (inf or NaN on
+      a skipped step).
+    - `learning_rate`: the rate of the most recent applied update (see `Trainer`), or
+      None if unknown.
+    - `steps_per_second`, `examples_per_second`: measured over the steps since the
+      previous `StepInfo` was made (the first window includes compilation).
+    - `eval`: the results of `Trainer.run_evaluation` if `fit` evaluated at this step,
+      else None.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import optax
+    import lowtrain
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean()
+
+    trainer = Fit(eqx.nn.Linear(2, 1, key=jax.random.key(0)), optax.sgd(0.1))
+    seen = []
+    trainer.add_hook(lambda info: seen.append((info.step, info.loss)), every=2)
+    data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
+    state = trainer.init(key=jax.random.key(1))
+    trainer.fit(state, lambda step: data, steps=4, progress=False)
+    assert [s for s, _ in seen] == [2, 4] and seen[1][1] < seen[0][1]
+    ```
+    """
+
+    step: int
+    state: TrainState
+    loss: float
+    aux: Any
+    loss_scale: float
+    skipped: int
+    grad_norm: float
+    learning_rate: float | None
+    steps_per_second: float
+    examples_per_second: float
+    eval: dict[str, float] | None = None
+
+
+class Hook(NamedTuple):
+    fn: Callable[[StepInfo], Any]
+    every: int

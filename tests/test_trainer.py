@@ -1,0 +1,474 @@
+"""`Trainer`: skipped steps, exact resume, atomic checkpoints, data parallelism."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowtrain
+import lowtrain.fp8
+
+from .helpers import eqns_of
+
+F16, F32 = np.dtype("float16"), np.dtype("float32")
+# With momentum, so there is optimizer state to keep. (optax's adam computes
+# `b1 ** count` on f32 and int32, which strict dtype promotion refuses.)
+SGD = lambda lr: optax.sgd(lr, momentum=0.9)
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+class Regression(lowtrain.Trainer):
+    """Only `loss`; its dropout uses the step key: resume must get keys right."""
+
+    def loss(self, model, batch, *, key):
+        x = eqx.nn.Dropout(0.1, inference=key is None)(batch["x"], key=key)
+        err = jax.vmap(model)(x) - batch["y"]
+        return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+
+def make_data(n=48, batch_size=8, seed=0):
+    x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+    y = np.stack([x.sum(1), x[:, 0] - x[:, 1]], 1)
+    return lowtrain.ArrayBatches({"x": x, "y": y}, batch_size, seed=seed)
+
+
+def make_model(width=16):
+    return eqx.nn.MLP(4, 2, width, 1, key=jax.random.key(0))
+
+
+def snapshot(tree):
+    """Host copies of every array (key data for PRNG keys): donation reuses buffers."""
+    out = []
+    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.array(x, copy=True))
+    return out
+
+
+def same_bits(a, b):
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+        for x, y in zip(a, b)
+    )
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def poisoned(data, bad_step):
+    """`data`, except that the batch of step `bad_step` holds an inf."""
+
+    def batch(step):
+        b = data(step)
+        if step == bad_step:
+            b = dict(b, x=b["x"].copy())
+            b["x"][0, 0] = np.inf
+        return b
+
+    return batch
+
+
+def run_child(script, tmp_path, env=None):
+    path = tmp_path / "child.py"
+    path.write_text(textwrap.dedent(script))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(path), str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("policy", ["fp32", "fp16"])
+def test_subclass_overriding_only_loss_trains(policy, tmp_path, capsys):
+    data = make_data()
+    schedule = optax.linear_schedule(3e-2, 1e-2, 20)
+    trainer = Regression(
+        make_model(),
+        optax.sgd(schedule, momentum=0.9),
+        policy=policy,
+        learning_rate=schedule,
+    )
+    steps_seen = []
+    trainer.add_hook(lambda info: steps_seen.append(info.step), every=4)
+    state = trainer.init(key=jax.random.key(1))
+    assert state.model.layers[0].weight.dtype == F32  # param_dtype of both presets
+    eval_data = make_data(n=16, seed=1)
+    initial = trainer.run_evaluation(state, eval_data)
+    assert set(initial) == {"loss"} and initial["loss"] > 1.0
+    state = trainer.fit(
+        state,
+        data,
+        epochs=5,  # 6 steps per epoch
+        log_every=5,
+        metrics_file=tmp_path / "metrics.jsonl",
+        eval_data=eval_data,
+        eval_every=15,
+    )
+    assert int(state.step) == 30 and steps_seen == [4, 8, 12, 16, 20, 24, 28]
+    assert state.model.layers[0].weight.dtype == F32 and int(state.skipped) == 0
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [5, 10, 15, 20, 25, 30]
+    print(initial, records[-1])
+    assert records[-1]["eval_loss"] < 0.2 * initial["loss"]  # it learns
+    assert [("eval_loss" in r) for r in records] == [0, 0, 1, 0, 0, 1]
+    want_scale = 2.0**15 if policy == "fp16" else 1.0
+    for r in records:
+        assert r["loss_scale"] == want_scale and r["skipped"] == 0
+        assert r["grad_norm"] > 0 and r["steps_per_second"] > 0 and "mae" in r
+        assert r["examples_per_second"] == pytest.approx(8 * r["steps_per_second"])
+        assert r["learning_rate"] == pytest.approx(float(schedule(r["step"] - 1)))
+    assert "loss=" in capsys.readouterr().err  # the bar ran without a terminal
+
+
+def test_policy_is_applied_to_the_loss():
+    data = make_data()
+    for policy, dtype in [("fp16", F16), ("fp32", F32)]:
+        trainer = Regression(make_model(), optax.sgd(0.1), policy=policy)
+        state = trainer.init(key=jax.random.key(1))
+        dots = eqns_of(trainer.train_step, state, data(0), prim="dot_general")
+        assert len(dots) >= 5  # 2 layers: 2 forward, 3 or more backward
+        for e in dots:
+            assert {v.aval.dtype for v in e.invars} == {dtype}, e
+    assert isinstance(state.loss_scale, lowtrain.NoOpLossScale)
+
+
+@pytest.mark.parametrize("scaling", ["none", "dynamic"])
+def test_inf_gradient_step_is_skipped_bit_for_bit(scaling, tmp_path):
+    k = 4
+    data = poisoned(make_data(), k)  # the update from state.step == k gets an inf
+    if scaling == "none":
+        trainer = Regression(make_model(), SGD(1e-2), stop_on_nonfinite=False)
+    else:
+        ls = lowtrain.DynamicLossScale(scale=2.0**10, growth_interval=100)
+        trainer = Regression(make_model(), SGD(1e-2), loss_scale=ls)
+    state = trainer.fit(trainer.init(key=jax.random.key(1)), data, steps=k)
+    before = snapshot((state.model, state.opt_state.inner_state))
+    scale_before = snapshot(state.loss_scale)
+    log = tmp_path / "m.jsonl"
+    state = trainer.fit(state, data, steps=k + 1, log_every=1, metrics_file=log)
+    assert int(state.step) == k + 1 and int(state.skipped) == 1
+    assert int(state.opt_state.notfinite_count) == 1
+    assert same_bits(snapshot((state.model, state.opt_state.inner_state)), before)
+    (record,) = read_jsonl(log)
+    assert record["step"] == k + 1 and record["skipped"] == 1
+    assert not np.isfinite(record["loss"]) and not np.isfinite(record["grad_norm"])
+    if scaling == "dynamic":
+        assert scale_before[0] == 2.0**10 and record["loss_scale"] == 2.0**9
+        assert float(state.loss_scale.loss_scale) == 2.0**9
+    state = trainer.fit(state, data, steps=k + 2)  # the next good step applies
+    assert int(state.skipped) == 1 and int(state.opt_state.notfinite_count) == 0
+    after = snapshot(state.model)
+    assert not any(np.array_equal(a, b) for a, b in zip(after, before[: len(after)]))
+
+
+def test_resume_reproduces_uninterrupted_run(tmp_path):
+    data = make_data(n=40)  # 5 steps per epoch: the resume crosses an epoch boundary
+    ls = lowtrain.DynamicLossScale(scale=2.0**14, growth_interval=3)  # it moves
+    trainer = Regression(make_model(), SGD(1e-2), policy="fp16", loss_scale=ls)
+    full = trainer.fit(
+        trainer.init(key=jax.random.key(1)),
+        data,
+        steps=14,
+        checkpoint_dir=tmp_path / "full",
+        checkpoint_every=7,
+        keep_checkpoints=5,
+    )
+    first = trainer.fit(
+        trainer.init(key=jax.random.key(1)),
+        data,
+        steps=7,
+        checkpoint_dir=tmp_path / "resumed",
+        checkpoint_every=7,
+    )
+    assert int(first.step) == 7
+    # A new Trainer, as a new process would build, from a fresh state's structure.
+    again = Regression(make_model(), SGD(1e-2), policy="fp16", loss_scale=ls)
+    resumed = again.fit(
+        again.init(key=jax.random.key(99)),  # the key comes from the checkpoint
+        data,
+        steps=14,
+        checkpoint_dir=tmp_path / "resumed",
+        checkpoint_every=7,
+        resume=True,
+    )
+    assert int(resumed.step) == 14 and float(resumed.loss_scale.loss_scale) > 2.0**14
+    assert same_bits(snapshot(resumed), snapshot(full))
+    names = lambda d: sorted(p.name for p in (tmp_path / d).iterdir())
+    assert names("full") == ["ckpt_00000007.lowtrain", "ckpt_00000014.lowtrain"]
+    assert names("resumed") == names("full")
+    last = "ckpt_00000014.lowtrain"
+    assert (tmp_path / "full" / last).read_bytes() == (
+        tmp_path / "resumed" / last
+    ).read_bytes()
+
+
+def test_keeps_last_k_checkpoints(tmp_path):
+    trainer = Regression(make_model(), optax.sgd(0.1))
+    trainer.fit(
+        trainer.init(key=jax.random.key(1)),
+        make_data(),
+        steps=9,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=2,
+        keep_checkpoints=2,
+    )
+    found = [step for step, _ in lowtrain.train._checkpoint.list_checkpoints(tmp_path)]
+    assert found == [8, 9]  # every 2 steps and the last, newest 2 kept
+    assert lowtrain.latest_checkpoint(tmp_path).name == "ckpt_00000009.lowtrain"
+
+
+def test_killed_while_writing_keeps_previous_checkpoint(tmp_path):
+    child = run_child(
+        """
+        import os, sys
+        import optax, jax
+        import lowtrain
+        from lowtrain.train import _checkpoint
+        sys.path.insert(0, ".")
+        from tests.test_trainer import SGD, Regression, make_data, make_model
+
+        real, calls = _checkpoint._write_file, []
+
+        def dies_halfway(path, chunks):
+            calls.append(path)
+            if len(calls) == 1:
+                return real(path, chunks)
+            data = b"".join(bytes(c) for c in chunks)
+            with open(path, "wb") as f:  # half the bytes reach the disk
+                f.write(data[: len(data) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+            os._exit(17)  # killed mid-write
+
+        _checkpoint._write_file = dies_halfway
+        trainer = Regression(make_model(), SGD(1e-2))
+        trainer.fit(trainer.init(key=jax.random.key(1)), make_data(), steps=3,
+                    checkpoint_dir=sys.argv[1] + "/ckpt", checkpoint_every=1,
+                    progress=False)
+        """,
+        tmp_path,
+    )
+    assert child.returncode == 17, child.stderr
+    ckpt = tmp_path / "ckpt"
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names[0] == "ckpt_00000001.lowtrain" and len(names) == 2
+    assert names[1].startswith("ckpt_00000002.lowtrain.tmp")  # the half-written file
+    assert lowtrain.latest_checkpoint(ckpt).name == "ckpt_00000001.lowtrain"
+    trainer = Regression(make_model(), SGD(1e-2))
+    loaded = lowtrain.load_checkpoint(
+        ckpt / names[0], trainer.init(key=jax.random.key(5))
+    )
+    here = trainer.fit(trainer.init(key=jax.random.key(1)), make_data(), steps=1)
+    assert int(loaded.step) == 1 and same_bits(snapshot(loaded), snapshot(here))
+    # Resuming goes on from step 1 and clears the temporary file.
+    state = trainer.fit(
+        trainer.init(key=jax.random.key(1)),
+        make_data(),
+        steps=2,
+        checkpoint_dir=ckpt,
+        resume=True,
+    )
+    assert int(state.step) == 2
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "ckpt_00000001.lowtrain",
+        "ckpt_00000002.lowtrain",
+    ]
+
+
+def test_corrupt_or_mismatched_checkpoints_are_refused(tmp_path):
+    trainer = Regression(make_model(), SGD(1e-2))
+    state = trainer.init(key=jax.random.key(1))
+    path = lowtrain.save_checkpoint(tmp_path / "ckpt_00000000.lowtrain", state)
+    good = path.read_bytes()
+    loaded = lowtrain.load_checkpoint(path, trainer.init(key=jax.random.key(2)))
+    assert same_bits(snapshot(loaded), snapshot(state))
+
+    def refused(trainer, match):
+        with pytest.raises(ValueError, match=match):
+            lowtrain.load_checkpoint(path, trainer.init(key=jax.random.key(1)))
+
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 1
+    path.write_bytes(bytes(flipped))
+    refused(trainer, r"is corrupt: expected SHA-256 .* instead.*Delete it")
+    with pytest.raises(ValueError, match="is corrupt"):  # also when resuming
+        trainer.fit(state, make_data(), steps=1, checkpoint_dir=tmp_path, resume=True)
+    path.write_bytes(good[:-100])
+    refused(trainer, "is corrupt")
+    path.write_bytes(b"not a checkpoint at all" * 10)
+    refused(trainer, "Expected a lowtrain checkpoint")
+    path.write_bytes(good)
+    refused(
+        Regression(make_model(width=32), SGD(1e-2)),
+        r"at `\.model\.layers\[0\]\.weight`: expected float32\[32, 4\], got "
+        r"float32\[16, 4\] instead\. Load it into a state built exactly",
+    )
+    refused(
+        Regression(make_model(), SGD(1e-2), policy="params=bfloat16"),
+        r"at `\.model\.layers\[0\]\.weight`: expected bfloat16\[16, 4\], got "
+        r"float32\[16, 4\]",
+    )
+    refused(
+        Regression(make_model(), optax.sgd(1e-2)),
+        r"does not match the structure .* at array 8 expected `\.key` key<fry>\[\], "
+        r"got `\.opt_state\.inner_state\[0\]\.trace\.layers\[0\]\.weight` "
+        r"float32\[16, 4\] instead \(9 arrays expected, 13 in the file\)",
+    )
+    with pytest.raises(ValueError, match=r"Expected an empty `checkpoint_dir`"):
+        trainer.fit(state, make_data(), steps=1, checkpoint_dir=tmp_path)
+
+
+def test_stop_on_nonfinite(tmp_path):
+    data = poisoned(make_data(), 2)
+    trainer = Regression(make_model(), SGD(1e-2))
+    assert trainer.stop_on_nonfinite  # the default without loss scaling
+    message = r"The loss is inf at train step 3 \(the update from `state.step == 2`"
+    for log_every in (1, 100):  # checked at once, or one step late
+        with pytest.raises(FloatingPointError, match=message):
+            trainer.fit(
+                trainer.init(key=jax.random.key(1)),
+                data,
+                steps=6,
+                log_every=log_every,
+                metrics_file=tmp_path / f"{log_every}.jsonl",
+            )
+    assert [r["step"] for r in read_jsonl(tmp_path / "1.jsonl")] == [1, 2]
+    half = Regression(make_model(), SGD(1e-2), policy="fp16")
+    assert not half.stop_on_nonfinite  # a dynamic loss scale expects overflows
+    state = half.fit(half.init(key=jax.random.key(1)), data, steps=4)
+    assert int(state.skipped) == 1
+
+
+def test_learning_rate_from_inject_hyperparams(tmp_path):
+    schedule = optax.linear_schedule(1e-2, 0.0, 10)
+    opt = optax.inject_hyperparams(optax.adam)(learning_rate=schedule)
+    trainer = Regression(make_model(), opt)
+    # optax's adam is not strict-promotion clean (see SGD above).
+    with jax.numpy_dtype_promotion("standard"):
+        trainer.fit(
+            trainer.init(key=jax.random.key(1)),
+            make_data(),
+            steps=6,
+            log_every=3,
+            metrics_file=tmp_path / "m.jsonl",
+        )
+    lrs = [r["learning_rate"] for r in read_jsonl(tmp_path / "m.jsonl")]
+    assert lrs == pytest.approx([float(schedule(2)), float(schedule(5))])
+
+
+def test_array_batches_are_a_function_of_the_step():
+    data = make_data(n=20, batch_size=6)
+    assert data.steps_per_epoch == len(data) == 3  # 2 examples dropped per epoch
+    x = data.arrays["x"]
+    for step in (0, 4, 7):
+        epoch, i = divmod(step, 3)
+        order = np.random.default_rng((0, epoch)).permutation(20)
+        assert np.array_equal(data(step)["x"], x[order[i * 6 : (i + 1) * 6]])
+    assert not np.array_equal(data(0)["x"], data(3)["x"])  # reshuffled per epoch
+    fresh = make_data(n=20, batch_size=6)
+    assert np.array_equal(fresh(7)["y"], data(7)["y"])
+    with pytest.raises(ValueError, match=r"share its leading dimension .*\['y'\]: 5"):
+        lowtrain.ArrayBatches({"x": np.ones(4), "y": np.ones(5)}, 2)
+
+
+def test_argument_errors():
+    with pytest.raises(TypeError, match="that defines `loss"):
+        lowtrain.Trainer(make_model(), optax.sgd(0.1))
+    with pytest.raises(TypeError, match="Expected an Optax optimizer"):
+        Regression(make_model(), "adam")
+    trainer = Regression(make_model(), optax.sgd(0.1))
+    state = trainer.init(key=jax.random.key(1))
+    with pytest.raises(TypeError, match="Expected `data` to be a function of the step"):
+        trainer.fit(state, [make_data()(0)], steps=1)
+    with pytest.raises(
+        ValueError, match="Expected exactly one of `steps` and `epochs`"
+    ):
+        trainer.fit(state, make_data(), steps=1, epochs=1)
+    with pytest.raises(ValueError, match="with a `steps_per_epoch` attribute"):
+        trainer.fit(state, lambda step: None, epochs=1)
+    with pytest.raises(ValueError, match="Expected a `checkpoint_dir`"):
+        trainer.fit(state, make_data(), steps=1, checkpoint_every=1)
+    with pytest.raises(ValueError, match="Expected an int `every` >= 1"):
+        trainer.add_hook(print, every=0)
+
+
+DATA_PARALLEL = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np, optax
+sys.path.insert(0, ".")
+from tests.test_trainer import SGD, Regression, make_data, make_model
+
+assert len(jax.devices()) == 4
+data = make_data()
+out = {}
+for name, devices in [("four", jax.devices()), ("one", jax.devices()[:1])]:
+    trainer = Regression(make_model(), SGD(1e-2), devices=devices)
+    state = trainer.fit(trainer.init(key=jax.random.key(1)), data, steps=3,
+                        progress=False)
+    out[name] = [np.asarray(x).tolist() for x in jax.tree.leaves(state.model)
+                 if hasattr(x, "shape")]
+    w = state.model.layers[0].weight
+    out[name + "_replicated"] = w.sharding.is_fully_replicated
+    out[name + "_batch_devices"] = len(trainer.shard_batch(data(0))["x"].devices())
+four = Regression(make_model(), optax.sgd(0.1), devices=jax.devices())
+try:
+    four.shard_batch({"x": np.ones((6, 4))})
+except ValueError as e:
+    out["error"] = str(e)
+diff = max(np.max(np.abs(np.asarray(a) - np.asarray(b)))
+           for a, b in zip(out.pop("four"), out.pop("one")))
+out["diff"] = float(diff)
+print(json.dumps(out))
+"""
+
+
+def test_data_parallel_step_matches_one_device(tmp_path):
+    flags = "--xla_force_host_platform_device_count=4"
+    child = run_child(DATA_PARALLEL, tmp_path, env={"XLA_FLAGS": flags})
+    assert child.returncode == 0, child.stderr
+    out = json.loads(child.stdout.strip().splitlines()[-1])
+    assert out["diff"] <= 1e-6
+    assert out["four_replicated"] and out["four_batch_devices"] == 4
+    assert out["one_batch_devices"] == 1
+    assert out["error"].startswith(
+        "Expected every batch array's leading axis to divide by the number of "
+        "devices (4), got shape (6, 4) at `batch['x']` instead. Use a batch size "
+        "that is a multiple of 4"
+    )
+
+
+class Fp8Regression(lowtrain.Trainer):
+    def loss(self, model, batch, *, key):
+        return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def test_fp8_delayed_scaling_state_flows_through_the_step():
+    layer = lowtrain.fp8.Fp8Linear(4, 2, delayed=True, history=4, key=jax.random.key(0))
+    data = make_data()
+    trainer = Fp8Regression(layer, SGD(0.01))
+    state = trainer.init(key=jax.random.key(1))
+    for step in range(3):
+        batch = data(step)
+        state, metrics = trainer.compiled_step(trainer.shard_batch(batch), state)
+    # The input's amax history holds the last three batches' amaxes, newest first,
+    # written exactly (not as an optimizer update), and the grad norm ignores it.
+    expected = [float(np.max(np.abs(data(s)["x"]))) for s in (2, 1, 0)]
+    np.testing.assert_array_equal(state.model.x_scale.amax_history[:3], expected)
+    assert state.model.x_scale.amax_history[3] == 0.0
+    np.testing.assert_allclose(state.model.x_scale.scale, max(expected) / 448.0)
+    assert float(metrics["grad_norm"]) < 100.0
