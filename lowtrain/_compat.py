@@ -168,3 +168,24 @@ def check_version() -> None:
             f"lowtrain supports JAX 0.10.x and 0.11.x, got jax {jax.__version__} "
             "instead. Install a supported version: `pip install 'jax>=0.10,<0.12'`."
         )
+
+
+def make_value_identity_primitive(name: str, impl, transpose):
+    """A new primitive `p` whose output has its input's shape and dtype.
+
+    `impl(x, **params)` computes it (and lowers it, via `mlir.lower_fun`); it is linear
+    for autodiff: its JVP applies `p` to the tangent, and `transpose(ct, **params)`
+    gives the cotangent's transpose. Batching applies it elementwise to the batch.
+    lowtrain's scalify ops (dynamic rescaling, scaled FP8 casts) are such primitives:
+    the identity (or a rounding) on values, which the scalify interpreter recognises.
+    """
+    # JAX 0.10 and 0.11: `jax.interpreters.{ad,batching,mlir}` keep these helpers.
+    from jax.interpreters import ad, batching, mlir
+
+    prim = Primitive(name)
+    prim.def_impl(impl)
+    prim.def_abstract_eval(lambda x, **params: x)
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+    ad.deflinear2(prim, lambda ct, x, **params: [transpose(ct, **params)])
+    batching.defvectorized(prim)
+    return prim

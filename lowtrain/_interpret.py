@@ -87,6 +87,46 @@ class Interpreter:
     def coerce(self, value: Any, type_: Any) -> Any:
         raise NotImplementedError
 
+    # -- hooks for values that are pytrees (a `ScaledArray`); the defaults suit arrays.
+
+    def scan_split(self, value: Any) -> tuple[Any, Any]:
+        """Split a value scanned over (or stacked by) `lax.scan` into (the part that has
+        the scanned axis, the part that does not)."""
+        return value, None
+
+    def scan_merge(self, sliced: Any, rest: Any) -> Any:
+        """Inverse of `scan_split` for one step's slice."""
+        return sliced
+
+    def scan_output(self, value: Any) -> Any:
+        """A value as one step's output of a `lax.scan`, before `scan_split`."""
+        return value
+
+    def scan_stacked(self, stacked: Any, rests: Any) -> Any:
+        """A value from the outputs stacked by `lax.scan`: `stacked` has the scanned
+        axis, `rests` are the per-step rests of `scan_split`, stacked too."""
+        return stacked
+
+    def tangent_in(self, primal: Any, tangent: Any) -> Any:
+        """JAX's tangent (a pytree like `primal`) as an interpreter value."""
+        return tangent
+
+    def tangent_out(self, primal: Any, tangent: Any) -> Any:
+        """An interpreter value as JAX's tangent of `primal` (a pytree like it)."""
+        return self.coerce(tangent, _type_of(primal))
+
+    def vjp_saved(self, primals: Sequence[Any], outs: Sequence[Any]) -> Any:
+        """What `cotangents_in`/`cotangents_out` need, saved by a custom_vjp forward."""
+        return None
+
+    def cotangents_in(self, saved: Any, cts: Sequence[Any]) -> list:
+        """JAX's cotangents of the outputs as interpreter values."""
+        return list(cts)
+
+    def cotangents_out(self, saved: Any, cts: Sequence[Any], types: Sequence[Any]):
+        """Interpreter values as JAX's cotangents of the inputs (of types `types`)."""
+        return [self.coerce(c, t) for c, t in zip(cts, types)]
+
     def unsupported(self, eqn: Eqn, *invals) -> list:
         """Called for a higher-order primitive with no registered rule."""
         raise NotImplementedError(
@@ -247,31 +287,39 @@ def _scan_rule(interp: Interpreter, eqn: Eqn, *args):
     )
     run = _sub(interp, p["jaxpr"], eqn.scopes)
 
-    def body(carry, x):
+    # Scanned inputs are split into the part with the scanned axis and the rest (the
+    # scale of a `ScaledArray`), which is closed over.
+    split = [interp.scan_split(x) for x in xs]
+    sliced, rests = [s for s, _ in split], [r for _, r in split]
+
+    def body(carry, x_slices):
+        x = [interp.scan_merge(s, r) for s, r in zip(x_slices, rests)]
         outs = run([*consts, *carry, *x])
         return outs[:n_carry], outs[n_carry:]
 
     # One slice of each scanned input, to find the carry types abstractly.
-    x_types = [
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _type_of(x))
-        for x in xs
+    slice_types = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), _type_of(s))
+        for s in sliced
     ]
-    types = interp.fix_types(lambda c, x: body(c, x)[0], init, x_types)
+    types = interp.fix_types(lambda c, x: body(c, x)[0], init, slice_types)
 
-    def typed_body(carry, x):
-        new, ys = body(carry, x)
-        return [interp.coerce(v, t) for v, t in zip(new, types)], ys
+    def typed_body(carry, x_slices):
+        new, ys = body(carry, x_slices)
+        return [interp.coerce(v, t) for v, t in zip(new, types)], [
+            interp.scan_split(interp.scan_output(y)) for y in ys
+        ]
 
     init = [interp.coerce(v, t) for v, t in zip(init, types)]
     carry, ys = lax.scan(
         typed_body,
         init,
-        list(xs),
+        sliced,
         length=p["length"],
         reverse=p["reverse"],
         unroll=p["unroll"],
     )
-    return [*carry, *ys]
+    return [*carry, *(interp.scan_stacked(s, r) for s, r in ys)]
 
 
 @register_higher_order(_compat.while_p)
@@ -326,12 +374,13 @@ def _custom_jvp_rule(interp: Interpreter, eqn: Eqn, *args):
     @fn.defjvp
     def fn_jvp(xs, ts):
         out_types = jax.eval_shape(lambda *a: run([*consts, *a]), *xs)
+        ts = [interp.tangent_in(x, t) for x, t in zip(xs, ts)]
         outs = run_jvp([*xs, *ts])
         primal_outs, nz_tangents = outs[: len(out_zeros)], iter(outs[len(out_zeros) :])
         primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
         tangent_outs = [
-            _zeros_like(t) if z else interp.coerce(next(nz_tangents), t)
-            for z, t in zip(out_zeros, out_types)
+            _zeros_like(t) if z else interp.tangent_out(y, next(nz_tangents))
+            for z, t, y in zip(out_zeros, out_types, primal_outs)
         ]
         return primal_outs, tangent_outs
 
@@ -371,11 +420,12 @@ def _custom_vjp_rule(interp: Interpreter, eqn: Eqn, *args):
         res_out, primal_outs = iter(outs[:n_res_out]), outs[n_res_out:]
         res = [xs[i] if i is not None else next(res_out) for i in res_forwards]
         primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
-        return primal_outs, res
+        return primal_outs, (res, interp.vjp_saved(xs, primal_outs))
 
-    def fn_bwd(res, cts):
-        cts_in = run_bwd([*res, *cts])
-        return tuple(interp.coerce(c, t) for c, t in zip(cts_in, in_types))
+    def fn_bwd(saved, cts):
+        res, extra = saved
+        cts_in = run_bwd([*res, *interp.cotangents_in(extra, cts)])
+        return tuple(interp.cotangents_out(extra, cts_in, in_types))
 
     fn.defvjp(fn_fwd, fn_bwd)
     return list(fn(*primals))
