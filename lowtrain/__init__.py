@@ -5,6 +5,7 @@ from . import _compat
 _compat.check_version()
 
 from . import fp8 as fp8  # noqa: E402
+from . import scalify as scalify  # noqa: E402
 from ._loss_scale import DynamicLossScale as DynamicLossScale  # noqa: E402
 from ._loss_scale import NoOpLossScale as NoOpLossScale  # noqa: E402
 from ._loss_scale import StaticLossScale as StaticLossScale  # noqa: E402

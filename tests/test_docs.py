@@ -9,10 +9,11 @@ import pytest
 
 import lowtrain
 import lowtrain.fp8
+import lowtrain.scalify
 
 PUBLIC = [
     f"{module.__name__}.{name}"
-    for module in (lowtrain, lowtrain.fp8)
+    for module in (lowtrain, lowtrain.fp8, lowtrain.scalify)
     for name in dir(module)
     if not name.startswith("_")
     and callable(getattr(module, name))
@@ -29,7 +30,8 @@ def _blocks(text):
 @pytest.mark.parametrize("name", PUBLIC)
 def test_public_docstring_example_runs(name):
     module, _, attr = name.rpartition(".")
-    obj = getattr({"lowtrain": lowtrain, "lowtrain.fp8": lowtrain.fp8}[module], attr)
+    modules = {m.__name__: m for m in (lowtrain, lowtrain.fp8, lowtrain.scalify)}
+    obj = getattr(modules[module], attr)
     blocks = _blocks(obj.__doc__)
     assert blocks, f"`{name}` has no ```python example in its docstring."
     for block in blocks:

