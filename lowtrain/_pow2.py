@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float
+from jaxtyping import Array, ArrayLike
 
 POW2_MODES = ("down", "up", "none")
 
 
-def pow2_round(x: ArrayLike, mode: str = "down") -> Float[Array, "..."]:
+def pow2_round(x: ArrayLike, mode: str = "down") -> Array:
     """Round positive `x` to a power of two: "down" (the largest power of two <= x),
     "up" (the smallest >= x) or "none" (unchanged). Zero and non-finite values pass
     through. Exact (`frexp`/`ldexp`; `exp2(floor(log2 x))` is not, on every backend).
