@@ -6,16 +6,16 @@ _compat.check_version()
 
 from . import fp8 as fp8  # noqa: E402
 from . import scalify as scalify  # noqa: E402
+from ._amp import DEFAULT_RULES as DEFAULT_RULES  # noqa: E402
+from ._amp import Policy as Policy  # noqa: E402
+from ._amp import amp as amp  # noqa: E402
+from ._amp import amp_stop as amp_stop  # noqa: E402
+from ._amp import get_policy as get_policy  # noqa: E402
 from ._loss_scale import DynamicLossScale as DynamicLossScale  # noqa: E402
 from ._loss_scale import NoOpLossScale as NoOpLossScale  # noqa: E402
 from ._loss_scale import StaticLossScale as StaticLossScale  # noqa: E402
 from ._loss_scale import all_finite as all_finite  # noqa: E402
 from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad  # noqa: E402
-from .amp import DEFAULT_RULES as DEFAULT_RULES  # noqa: E402
-from .amp import Policy as Policy  # noqa: E402
-from .amp import amp as amp  # noqa: E402
-from .amp import amp_stop as amp_stop  # noqa: E402
-from .amp import get_policy as get_policy  # noqa: E402
 from .train import ArrayBatches as ArrayBatches  # noqa: E402
 from .train import StepInfo as StepInfo  # noqa: E402
 from .train import Trainer as Trainer  # noqa: E402

@@ -189,3 +189,13 @@ def make_value_identity_primitive(name: str, impl, transpose):
     ad.deflinear2(prim, lambda ct, x, **params: [transpose(ct, **params)])
     batching.defvectorized(prim)
     return prim
+
+
+def saved_residual_avals(fn, *args) -> list:
+    """The types of the residuals `jax.vjp(fn, *args)` saves for the backward pass
+    (what `jax.ad_checkpoint.print_saved_residuals` prints), for measuring memory."""
+    # JAX 0.10 and 0.11: `print_saved_residuals` prints what this function returns,
+    # a list of (aval, description) pairs.
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return [aval for aval, _ in saved_residuals(fn, *args)]

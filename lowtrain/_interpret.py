@@ -4,7 +4,8 @@ An `Interpreter` evaluates a closed jaxpr equation by equation. First-order prim
 go to the subclass's `rule` method; higher-order primitives (jit, scan, while, cond,
 remat, custom_jvp, custom_vjp) go to the rules registered here, which transform their
 sub-jaxprs with the same interpreter and rebuild the higher-order op through JAX's
-public API (`jax.jit`, `lax.scan`, `jax.custom_vjp`, ...). A custom derivative
+public API (`lax.scan`, `jax.checkpoint`, `jax.custom_vjp`, ...; inner jits are
+inlined). A custom derivative
 therefore stays custom: its rule is itself interpreted.
 
 A subclass supplies three things:
@@ -53,6 +54,10 @@ class Eqn:
     out_avals: tuple[Any, ...]
     weak: tuple[bool, ...]
     scopes: tuple[str, ...]
+    # Shared by the equations of one jaxpr evaluation (one trace): rules may cache
+    # derived values here, such as the one float32 copy of a float16 input that three
+    # ops use (so its cotangents are summed once, in float32).
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def bind(self, *args, **params):
         """Bind this equation's primitive on `args`, its params updated by `params`."""
@@ -142,10 +147,12 @@ class Interpreter:
         args: Sequence[Any],
         scopes: tuple[str, ...] = (),
         consts: Sequence[Any] | None = None,
+        memo: dict | None = None,
     ) -> list:
         """Evaluate `closed` on `args` (one value per invar) and return its outputs.
 
-        `consts` replaces the jaxpr's own constants when given.
+        `consts` replaces the jaxpr's own constants when given; `memo` is shared with
+        the caller's equations when given (an inlined sub-jaxpr, same trace).
         """
         jaxpr = closed.jaxpr
         if len(args) != len(jaxpr.invars):
@@ -154,6 +161,7 @@ class Interpreter:
                 f"got {len(args)} instead."
             )
         env: dict[_compat.Var, Any] = {}
+        memo = {} if memo is None else memo
         # Weakly typed variables: literals, and first-order results computed from weak
         # float inputs only (`broadcast_in_dim 0.0` is as weak as the `0.0`).
         weak_vars: set[_compat.Var] = set()
@@ -179,6 +187,7 @@ class Interpreter:
                 tuple(v.aval for v in jeqn.outvars),
                 tuple(is_weak(v) for v in jeqn.invars),
                 inner,
+                memo,
             )
             float_weak = [w for w, a in zip(eqn.weak, eqn.in_avals) if _is_float(a)]
             if (
@@ -253,16 +262,10 @@ def _sub(interp: Interpreter, closed, scopes):
 
 @register_higher_order(_compat.jit_p)
 def _jit_rule(interp: Interpreter, eqn: Eqn, *args):
-    run = _sub(interp, eqn.params["jaxpr"], eqn.scopes)
-
-    def fn(*xs):
-        return run(xs)
-
-    fn.__name__ = fn.__qualname__ = eqn.params["name"]
-    jitted = jax.jit(
-        fn, inline=eqn.params["inline"], keep_unused=eqn.params["keep_unused"]
-    )
-    return list(jitted(*args))
+    # Inlined, in the same trace and sharing its memo: a value used inside and outside
+    # an inner jit (jnp.var is one) is cast once. The outer program is jitted anyway,
+    # and XLA inlines nested jits, so nothing is lost.
+    return interp.eval_jaxpr(eqn.params["jaxpr"], args, eqn.scopes, memo=eqn.memo)
 
 
 @register_higher_order(_compat.remat_p)
@@ -454,6 +457,7 @@ def call_transformed(
     *,
     enter: Callable[[list], list] = lambda xs: xs,
     leave: Callable[[list], list] = lambda outs: outs,
+    remat_policy: Callable | None = None,
 ) -> list:
     """Call the flat function `fn(*args) -> list of arrays` under `interp`, forward and
     backward.
@@ -469,6 +473,9 @@ def call_transformed(
     makes a bias gradient is a `reduce_sum` like any other), and cotangents of `args`
     come back in the types of `args`. Supports `jax.grad`/`jax.vjp` (any order),
     `jax.vmap` and `jax.checkpoint`, but not forward-mode `jax.jvp`.
+
+    `remat_policy` (a `jax.checkpoint` policy) chooses which forward values are saved
+    for the backward pass; the others are recomputed there.
 
     The arrays `fn` closes over (its jaxpr's constants) are treated as inputs: passed
     through `enter` and differentiated, so `amp(lambda x: model(x))` differentiates the
@@ -489,7 +496,14 @@ def call_transformed(
         return forward(*xs)
 
     def run_fwd(*xs):
-        outs, vjp = jax.vjp(forward, *xs)
+        # A `jax.checkpoint` policy, if given, chooses the residuals: what it does not
+        # save is recomputed by the backward pass.
+        fwd = (
+            forward
+            if remat_policy is None
+            else jax.checkpoint(forward, policy=remat_policy)
+        )
+        outs, vjp = jax.vjp(fwd, *xs)
         res, vjp_tree["tree"] = jax.tree.flatten(vjp)
         return outs, res
 

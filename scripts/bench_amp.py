@@ -1,32 +1,39 @@
 """Benchmark `lowtrain.amp` against the same mixed precision written by hand.
 
-Everything runs in one process and is printed as markdown tables (the source of truth
-for `docs/performance.md`):
+Everything runs in one process and is printed as markdown tables, which are the source
+of truth for `docs/performance.md`:
 
-1. Train-step time. A training step (`eqx.filter_value_and_grad` + an `optax.adam`
+1. Train-step time. A training step (`eqx.filter_value_and_grad` and an `optax.adam`
    update, jitted with `eqx.filter_jit`) whose loss is `lowtrain.amp(loss, policy)`,
    against the same step written by hand in the style of `jmp`: parameters and inputs
    cast to the compute dtype, matmuls in half precision, and layer norm, softmax,
    GELU and the cross-entropy upcast to float32 by hand and cast back before the next
-   matmul, i.e. the placement the default AMP policy gives. Both run the same work,
-   so the ratio measures the transform's overhead. Models: an MLP (784-512-512-10,
-   batch 128) and a 4-layer pre-LayerNorm transformer (d=128, 4 heads, sequence 64,
-   batch 16, vocabulary 64). Each variant's time is the median over `--steps` steps
-   after warmup; the two variants alternate in rounds (A, B, A, B, ...).
-2. Trace and compile time of the two steps: `eqx.filter_jit(step).lower(...)` (tracing,
-   including the AMP re-interpretation, and lowering) and `.compile()`, from cold caches
-   (`jax.clear_caches()` and fresh functions before each measurement).
+   matmul, i.e. the placement the default AMP policy gives. Both compute the same
+   loss (the table checks it), so the ratio measures what the transform costs. Models:
+   an MLP (784-512-512-10, batch 128) and a 4-layer pre-LayerNorm transformer (d=128,
+   4 heads, sequence 64, batch 16, vocabulary 64). Each time is the median over
+   `--steps` steps after warmup; the two variants alternate in rounds of 5 steps
+   (A, B, A, B, ...).
+2. Trace and compile time of the same two steps: `eqx.filter_jit(step).lower(...)`
+   (tracing, which includes the AMP re-interpretation, and lowering), then
+   `.compile()`, from cold caches (`jax.clear_caches()` and fresh functions before
+   each measurement); the median over 5 repetitions (1 with `--quick`).
 3. Bytes of the residuals that reverse-mode differentiation saves for the backward pass
-   of the transformer loss, with the residual set of
-   `jax.ad_checkpoint.print_saved_residuals` (checked against its printed output), for
-   the float32 loss, `amp` under "fp16"/"bf16", and the hand-written half-precision
-   losses; plus a breakdown of what stays in float32 under "fp16".
+   of the transformer loss, for the float32 loss, `amp` under "fp16" and "bf16", and
+   the hand-written half-precision losses. The residual set is that of
+   `jax.ad_checkpoint.print_saved_residuals` (the totals are checked against its
+   printed output), followed into jitted functions so that each residual is
+   attributed to the primitive and `jax.named_scope` that produce it; then a breakdown
+   of what stays in float32 under "fp16". Residuals are counted in the jaxpr, before
+   XLA fuses or rematerialises anything; for comparison, the table also gives the
+   temporary buffer size XLA reports for the compiled value and gradient
+   (`memory_analysis()`; skipped with `--quick`).
 
 Run it from the repository root:
 
-    python scripts/bench_amp.py            # default: ~60 timed steps per variant
-    python scripts/bench_amp.py --quick    # smaller run, under a minute on 2 CPU cores
-    python scripts/bench_amp.py --steps 100
+    python scripts/bench_amp.py              # 200 timed steps per variant, ~3 minutes
+    python scripts/bench_amp.py --quick      # 20 timed steps, under a minute
+    python scripts/bench_amp.py --steps 500  # more steps for steadier medians
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import io
 import math
+import os
 import platform
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,15 +57,18 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 from jax import ad_checkpoint
+from jax.extend.core import Literal
 
 import lowtrain
 
 F32 = jnp.float32
 HALF = {"fp16": jnp.dtype(jnp.float16), "bf16": jnp.dtype(jnp.bfloat16)}
 MiB = 2**20
+ROUND = 5  # steps per variant in each round of the interleaved timing
 
 
 # --------------------------------------------------------------------------------------
@@ -63,9 +76,11 @@ MiB = 2**20
 # --------------------------------------------------------------------------------------
 
 
-# Gathers are written as one-hot products: `lowtrain.amp` cannot yet transform
-# `scatter-add` (the transpose of a gather such as `jnp.take_along_axis` or a batched
-# embedding lookup), whose `update_jaxpr` parameter it takes for a sub-program.
+# The label pick of the cross-entropy and the embedding lookup are written as one-hot
+# products rather than gathers, so that no `scatter-add` (a gather's gradient) is
+# involved: `lowtrain.amp` up to commit 978cde3 could not transform it (it took its
+# `update_jaxpr` parameter for a sub-program), and the policy runs it in float32 where
+# plain autodiff of the hand-written loss would run it in half precision.
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -103,7 +118,7 @@ class Block(eqx.Module):
 
 
 class Transformer(eqx.Module):
-    """Token (one-hot) and learned position embeddings, pre-LN blocks, LN, linear head."""
+    """Token and position embeddings, pre-LN blocks, a final LN and a linear head."""
 
     embed: eqx.nn.Embedding
     pos: jax.Array
@@ -235,6 +250,7 @@ class Case:
     loss: Callable
     hand_loss: Callable[[Any], Callable]
     batch: tuple[jax.Array, jax.Array]
+    step_factor: int = 1  # times `--steps` timed steps (for cheap, noisy steps)
 
 
 def make_cases() -> list[Case]:
@@ -248,7 +264,14 @@ def make_cases() -> list[Case]:
     stream = jax.random.randint(key_s, (16, seq + 1), 0, vocab)
     tokens, targets = stream[:, :-1], stream[:, 1:]
     return [
-        Case("MLP 784-512-512-10, batch 128", mlp, mlp_loss, hand_mlp_loss, (x, y)),
+        Case(
+            "MLP 784-512-512-10, batch 128",
+            mlp,
+            mlp_loss,
+            hand_mlp_loss,
+            (x, y),
+            step_factor=5,
+        ),
         Case(
             "Transformer 4L d128 h4, seq 64, batch 16",
             tf,
@@ -260,7 +283,7 @@ def make_cases() -> list[Case]:
 
 
 def make_step(loss_fn: Callable, optimizer: optax.GradientTransformation):
-    """A jitted train step: value and gradient of `loss_fn`, then an optimizer update."""
+    """A jitted train step: value and gradient of `loss_fn`, then an optimizer step."""
 
     @eqx.filter_jit
     def step(model, opt_state, x, y):
@@ -272,10 +295,20 @@ def make_step(loss_fn: Callable, optimizer: optax.GradientTransformation):
     return step
 
 
+def half_residuals(policy: str) -> lowtrain.Policy:
+    """`policy` with `residuals="half"`: only compute-dtype values are saved."""
+    p = lowtrain.get_policy(policy)
+    return lowtrain.Policy(
+        p.param_dtype, p.compute_dtype, p.output_dtype, residuals="half"
+    )
+
+
 def variant_losses(case: Case, policy: str) -> dict[str, Callable]:
-    """The two losses compared for `case` under `policy`: amp and by hand."""
+    """The losses compared for `case` under `policy`: amp (saving all residuals, and
+    saving only half-precision ones) and by hand."""
     return {
         "amp": lowtrain.amp(case.loss, policy),
+        "amp_half": lowtrain.amp(case.loss, half_residuals(policy)),
         "hand": case.hand_loss(HALF[policy]),
     }
 
@@ -327,17 +360,22 @@ def time_steps(case: Case, policy: str, steps: int, round_len: int, warmup: int)
 def step_time_table(cases: list[Case], args) -> str:
     """Markdown table of train-step times, amp against hand, per model and dtype."""
     rows = [
-        "| model | policy | amp step (ms) | hand step (ms) | amp / hand "
+        "| model | policy | timed steps | amp step (ms) | hand step (ms) | amp / hand "
+        "| amp, residuals=half (ms) | half / hand "
         "| \\|loss(amp) − loss(hand)\\| |",
-        "|---|---|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for case in cases:
         for policy in ("fp16", "bf16"):
-            res, diff = time_steps(case, policy, args.steps, args.round, args.warmup)
+            steps = args.steps * case.step_factor
+            res, diff = time_steps(case, policy, steps, args.round, args.warmup)
             (a, a_iqr), (h, h_iqr) = res["amp"], res["hand"]
+            r, r_iqr = res["amp_half"]
             rows.append(
-                f"| {case.name} | {policy} | {1e3 * a:.2f} ± {5e2 * a_iqr:.2f} "
-                f"| {1e3 * h:.2f} ± {5e2 * h_iqr:.2f} | **{a / h:.3f}** | {diff:.1e} |"
+                f"| {case.name} | {policy} | {steps} "
+                f"| {1e3 * a:.2f} ± {5e2 * a_iqr:.2f} "
+                f"| {1e3 * h:.2f} ± {5e2 * h_iqr:.2f} | **{a / h:.3f}** "
+                f"| {1e3 * r:.2f} ± {5e2 * r_iqr:.2f} | **{r / h:.3f}** | {diff:.1e} |"
             )
             print(f"  timed {case.name} / {policy}: amp/hand = {a / h:.3f}", flush=True)
     return "\n".join(rows)
@@ -349,12 +387,14 @@ def step_time_table(cases: list[Case], args) -> str:
 
 
 def time_compile(case: Case, policy: str, reps: int) -> dict[str, tuple[float, float]]:
-    """Median (trace + lower, compile) seconds of the amp and hand steps, cold caches."""
+    """Median (trace + lower, compile) seconds of the amp and hand steps, from cold."""
     optimizer = optax.adam(1e-3)
     opt_state = optimizer.init(eqx.filter(case.model, eqx.is_inexact_array))
     times: dict[str, list[tuple[float, float]]] = {"amp": [], "hand": []}
     for rep in range(reps):
-        order = ["amp", "hand"] if rep % 2 == 0 else ["hand", "amp"]
+        order = (
+            ["amp", "hand"] if rep % 2 == 0 else ["hand", "amp"]
+        )  # amp: residuals=all
         for name in order:
             jax.clear_caches()
             # Fresh functions too, so no tracing cache keyed on them can hit.
@@ -437,7 +477,7 @@ def _origin(atom, path: list) -> tuple:
     `("constant", ...)`.
     """
     jaxpr, call = path[-1]
-    if isinstance(atom, jax.extend.core.Literal):
+    if isinstance(atom, Literal):
         return ("literal", None, path)
     found = _producers(jaxpr).get(atom)
     if found is not None:
@@ -464,40 +504,40 @@ def saved_residuals(f: Callable, *args) -> list[Residual]:
     is traced to the equation that computes it rather than reported as an "output of
     jitted function".
     """
-    leaves, tree = jax.tree_util.tree_flatten_with_path(args)
+    leaves, in_tree = jax.tree_util.tree_flatten_with_path(args)
     names = [jax.tree_util.keystr(p) for p, _ in leaves]
-    in_tree = jax.tree.structure(args)
 
     def flat(*xs):
         return f(*jax.tree.unflatten(in_tree, xs))
 
-    closed, shapes = jax.make_jaxpr(
-        lambda *xs: jax.vjp(flat, *xs), return_shape=True
-    )(*[x for _, x in leaves])
+    vjp = jax.make_jaxpr(lambda *xs: jax.vjp(flat, *xs), return_shape=True)
+    closed, shapes = vjp(*[x for _, x in leaves])
     num_res = len(jax.tree.leaves(shapes[1]))
     top = closed.jaxpr
     residuals = []
     for var in top.outvars[len(top.outvars) - num_res :]:
-        kind, what, path = _origin(var, [(top, None)])
-        aval = var.aval
+        kind, eqn, path = _origin(var, [(top, None)])
         if kind == "argument":
-            residuals.append(Residual(aval, kind, names[what], ""))
-        elif kind == "eqn":
-            eqn = what
-            scope = str(eqn.source_info.name_stack)
-            producer = f"{eqn.primitive.name} @ {scope}" if scope else eqn.primitive.name
-            if (
-                eqn.primitive.name == "convert_element_type"
-                and _origin(eqn.invars[0], path)[0] == "argument"
-            ):
-                kind = "param cast"
-            else:
-                kind = "activation"
-            residuals.append(
-                Residual(aval, kind, producer, _summarize(eqn.source_info))
-            )
+            residuals.append(Residual(var.aval, kind, names[eqn], ""))
+            continue
+        if kind != "eqn":
+            residuals.append(Residual(var.aval, kind, kind, ""))
+            continue
+        is_cast = eqn.primitive.name == "convert_element_type"
+        if is_cast and _origin(eqn.invars[0], path)[0] == "argument":
+            kind = "param cast"
         else:
-            residuals.append(Residual(aval, kind, kind, ""))
+            kind = "activation"
+        producer = eqn.primitive.name
+        jits = [call.params["name"] for _, call in path[1:]]
+        if jits:
+            producer += f" in {'/'.join(jits)}"
+        scope = str(eqn.source_info.name_stack)
+        if scope:
+            producer += f" @ {scope}"
+        residuals.append(
+            Residual(var.aval, kind, producer, _summarize(eqn.source_info))
+        )
     return residuals
 
 
@@ -527,27 +567,15 @@ def _dtype_bytes(res: list[Residual], pred: Callable) -> int:
     return sum(r.nbytes for r in res if pred(np.dtype(r.aval.dtype)))
 
 
-def residual_tables(case: Case) -> str:
-    """Markdown tables of residual bytes and of the float32 residuals under fp16."""
-    variants = {
-        "float32 loss": case.loss,
-        "amp fp16": lowtrain.amp(case.loss, "fp16"),
-        "amp bf16": lowtrain.amp(case.loss, "bf16"),
-        "hand fp16": case.hand_loss(HALF["fp16"]),
-        "hand bf16": case.hand_loss(HALF["bf16"]),
-    }
-    results = {}
-    for name, loss_fn in variants.items():
-        f, params = _residual_fn(loss_fn, case.model, case.batch)
-        res = saved_residuals(f, params)
-        total = sum(r.nbytes for r in res)
-        printed = printed_residual_bytes(f, params)
-        if printed != total:
-            raise RuntimeError(
-                f"{name}: {total} residual bytes, but print_saved_residuals lists "
-                f"{printed}."
-            )
-        results[name] = res
+def _xla_temp_bytes(f: Callable, params: Any) -> int | None:
+    """Bytes of temporary buffers XLA allocates for `jax.value_and_grad(f)(params)`."""
+    compiled = jax.jit(jax.value_and_grad(f)).lower(params).compile()
+    analysis = compiled.memory_analysis()
+    return None if analysis is None else analysis.temp_size_in_bytes
+
+
+def _summary_table(results: dict[str, list[Residual]], temps: dict) -> str:
+    """Residual totals per variant, and their ratios to the float32 loss."""
 
     def totals(res):
         everything = sum(r.nbytes for r in res)
@@ -559,28 +587,31 @@ def residual_tables(case: Case) -> str:
     rows = [
         "| variant | residuals | all (MiB) | excl. arguments (MiB) "
         "| activations only (MiB) | in f32 (MiB) | in f16/bf16 (MiB) "
-        "| all / fp32 | excl. args / fp32 | activations / fp32 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| all / fp32 | excl. args / fp32 | activations / fp32 | XLA temp (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, res in results.items():
         t = totals(res)
         f32 = _dtype_bytes(res, lambda d: d == np.float32)
         half = _dtype_bytes(res, lambda d: d in (np.float16, jnp.bfloat16))
+        temp = "–" if temps[name] is None else f"{temps[name] / MiB:.2f}"
         rows.append(
             f"| {name} | {len(res)} | {t[0] / MiB:.2f} | {t[1] / MiB:.2f} "
             f"| {t[2] / MiB:.2f} | {f32 / MiB:.2f} | {half / MiB:.2f} "
             f"| **{t[0] / ref[0]:.3f}** | **{t[1] / ref[1]:.3f}** "
-            f"| {t[2] / ref[2]:.3f} |"
+            f"| {t[2] / ref[2]:.3f} | {temp} |"
         )
-    table = "\n".join(rows)
+    return "\n".join(rows)
 
-    res = results["amp fp16"]
-    by_kind = collections.defaultdict(lambda: collections.Counter())
+
+def _breakdown_tables(res: list[Residual], label: str) -> str:
+    """Bytes of `res` by kind and dtype, and its ten largest float32 groups."""
+    by_kind = collections.defaultdict(collections.Counter)
     for r in res:
         by_kind[r.kind][str(np.dtype(r.aval.dtype))] += r.nbytes
     dtypes = sorted({d for c in by_kind.values() for d in c})
     kind_rows = [
-        "| amp fp16 residuals | " + " | ".join(f"{d} (MiB)" for d in dtypes) + " |",
+        f"| {label} residuals | " + " | ".join(f"{d} (MiB)" for d in dtypes) + " |",
         "|---|" + "---:|" * len(dtypes),
     ]
     for kind, counter in sorted(by_kind.items()):
@@ -592,21 +623,73 @@ def residual_tables(case: Case) -> str:
         if np.dtype(r.aval.dtype) == np.float32:
             short = r.aval.str_short(short_dtypes=True)
             groups[(short, r.producer, r.source)].append(r)
-    top = sorted(groups.items(), key=lambda kv: -sum(r.nbytes for r in kv[1]))
+    top = sorted(groups.items(), key=lambda kv: -sum(r.nbytes for r in kv[1]))[:10]
     f32_total = _dtype_bytes(res, lambda d: d == np.float32)
+    sources = {source for (_, _, source), _ in top}
+    # Under amp every equation carries the same source line (the transform's own):
+    # then print it once below the table instead of in every row.
+    one_source = len(sources) == 1
     top_rows = [
-        "| count × residual | MiB | share of f32 | produced by (primitive @ scope) "
-        "| source line |",
-        "|---|---:|---:|---|---|",
+        "| count × residual | MiB | share of f32 "
+        "| produced by (primitive in jit @ scope) "
+        + ("|" if one_source else "| source line |"),
+        "|---|---:|---:|---|" + ("" if one_source else "---|"),
     ]
-    for (short, producer, source), rs in top[:10]:
+    for (short, producer, source), rs in top:
         nbytes = sum(r.nbytes for r in rs)
-        top_rows.append(
+        row = (
             f"| {len(rs)} × {short} | {nbytes / MiB:.2f} | {nbytes / f32_total:.0%} "
-            f"| `{producer}` | `{source}` |"
+            f"| `{producer}` |"
+        )
+        top_rows.append(row if one_source else f"{row} `{source}` |")
+    if one_source:
+        top_rows.append(
+            f"\nEvery one of these equations has the source line `{sources.pop()}`."
         )
     return "\n\n".join(
-        [table, "\n".join(kind_rows), "\n".join(top_rows)]
+        [
+            f"Residuals of {label} by kind and dtype:",
+            "\n".join(kind_rows),
+            f"The ten largest groups of float32 residuals of {label} "
+            f"({f32_total / MiB:.2f} MiB in all):",
+            "\n".join(top_rows),
+        ]
+    )
+
+
+def residual_tables(case: Case, xla_memory: bool = True) -> str:
+    """Markdown tables of residual bytes and of the float32 residuals under fp16.
+
+    With `xla_memory`, also compile each variant's value-and-gradient to read the
+    size of the temporary buffers XLA allocates for it.
+    """
+    variants = {
+        "float32 loss": case.loss,
+        "amp fp16": lowtrain.amp(case.loss, "fp16"),
+        "amp bf16": lowtrain.amp(case.loss, "bf16"),
+        "amp fp16, residuals=half": lowtrain.amp(case.loss, half_residuals("fp16")),
+        "amp bf16, residuals=half": lowtrain.amp(case.loss, half_residuals("bf16")),
+        "hand fp16": case.hand_loss(HALF["fp16"]),
+        "hand bf16": case.hand_loss(HALF["bf16"]),
+    }
+    results, temps = {}, {}
+    for name, loss_fn in variants.items():
+        f, params = _residual_fn(loss_fn, case.model, case.batch)
+        res = saved_residuals(f, params)
+        total = sum(r.nbytes for r in res)
+        printed = printed_residual_bytes(f, params)
+        if printed != total:
+            raise RuntimeError(
+                f"{name}: {total} residual bytes, but print_saved_residuals lists "
+                f"{printed}."
+            )
+        results[name] = res
+        temps[name] = _xla_temp_bytes(f, params) if xla_memory else None
+    return "\n\n".join(
+        [
+            _summary_table(results, temps),
+            _breakdown_tables(results["amp fp16"], "`amp` under fp16"),
+        ]
     )
 
 
@@ -618,49 +701,62 @@ def residual_tables(case: Case) -> str:
 def machine() -> str:
     """A one-line description of the backend, CPU and library versions."""
     cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    dev = jax.devices()[0]
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count()
     return (
-        f"backend {jax.default_backend()} ({dev.device_kind}), CPU {cpu}, "
-        f"{jax.local_device_count()} device(s), {_cores()} cores; jax {jax.__version__}, "
-        f"jaxlib {jax.lib.__version__ if hasattr(jax.lib, '__version__') else '?'}, "
-        f"equinox {eqx.__version__}, optax {optax.__version__}, "
-        f"lowtrain {lowtrain.__version__}, Python {platform.python_version()}"
+        f"JAX backend {jax.default_backend()} ({jax.device_count()} device), "
+        f"CPU {cpu} with {cores} cores; jax {jax.__version__}, "
+        f"jaxlib {jaxlib.__version__}, equinox {eqx.__version__}, "
+        f"optax {optax.__version__}, lowtrain {lowtrain.__version__}{_git()}, "
+        f"Python {platform.python_version()}"
     )
 
 
-def _cores() -> int:
-    """Number of CPU cores this process may run on."""
-    import os
-
+def _git() -> str:
+    """` (git <commit>[, modified])` of the lowtrain checkout, or "" outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(lowtrain.__file__)))
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not on Linux
-        return os.cpu_count() or 0
+        run = functools.partial(
+            subprocess.run, cwd=root, capture_output=True, text=True, check=True
+        )
+        commit = run(["git", "rev-parse", "--short", "HEAD"]).stdout.strip()
+        dirty = run(["git", "status", "--porcelain", "--", "lowtrain"]).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return f" (git {commit}{', lowtrain/ modified' if dirty.strip() else ''})"
 
 
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per variant (default 60)"
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per variant, at least 20 (default 200; 20 with --quick); "
+        "the MLP, whose steps are short and noisy, runs 5 times as many",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="fewer steps and compile repetitions"
+        "--quick",
+        action="store_true",
+        help="20 timed steps and one cold compile per variant, no XLA memory "
+        "analysis (under a minute)",
     )
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = 20 if args.quick else 60
-    if args.steps < 1:
-        parser.error("--steps must be positive")
-    args.round = 5
+        args.steps = 20 if args.quick else 200
+    if args.steps < 20:
+        parser.error("--steps must be at least 20")
+    args.round = ROUND
     args.warmup = 2 if args.quick else 3
-    args.compile_reps = 1 if args.quick else 3
+    args.compile_reps = 1 if args.quick else 5
     return args
 
 
@@ -678,7 +774,7 @@ def main() -> None:
     cases = make_cases()
     step_table = step_time_table(cases, args)
     compile_table = compile_time_table(cases, args)
-    residuals = residual_tables(cases[1])
+    residuals = residual_tables(cases[1], xla_memory=not args.quick)
     print("\n## Train-step time (median ± half IQR)\n")
     print(step_table)
     print("\n## Trace + compile time (cold caches, median)\n")

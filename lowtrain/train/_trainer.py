@@ -16,13 +16,13 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .. import fp8
+from .._amp import Policy, amp, get_policy
 from .._loss_scale import (
     DynamicLossScale,
     NoOpLossScale,
     _LossScale,
     scaled_value_and_grad,
 )
-from ..amp import Policy, amp, get_policy
 from ._fit import fit as _fit
 from ._hooks import Hook, StepInfo
 from ._metrics import global_norm

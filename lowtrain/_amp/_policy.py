@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._rules import (
+RESIDUALS = ("all", "half")
+
+from ._rules import (  # noqa: E402
     ACTIONS,
     AMP_STOP_SCOPE,
     DEFAULT_RULES,
@@ -87,7 +89,12 @@ class Policy(eqx.Module):
     - `rules`: per-primitive actions (see `lowtrain.amp` docs), on top of the defaults;
     - `scopes`: per-`jax.named_scope` actions; a scope name may be a glob such as
       `"eqx.nn.*"`. For an op inside several matching scopes the outermost wins, and a
-      scope rule takes precedence over the primitive rules.
+      scope rule takes precedence over the primitive rules;
+    - `residuals`: what the forward pass saves for the backward one. "all": every
+      value the backward pass needs, as JAX chooses (float32 ones included). "half":
+      only values in the compute dtype (and integers); the float32 ones (a layer
+      norm's, a softmax's, GELU's internals) are recomputed from them in the backward
+      pass, which roughly halves the saved bytes for a little extra compute.
 
     The policy is static data: it is hashable and never traced.
 
@@ -110,6 +117,7 @@ class Policy(eqx.Module):
     output_dtype: np.dtype = eqx.field(static=True)
     rules: tuple[tuple[str, str], ...] = eqx.field(static=True)
     scopes: tuple[tuple[str, str], ...] = eqx.field(static=True)
+    residuals: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -119,6 +127,7 @@ class Policy(eqx.Module):
         *,
         rules: Mapping[str, object] | None = None,
         scopes: Mapping[str, object] | None = None,
+        residuals: str = "all",
     ):
         self.param_dtype = _float_dtype(param_dtype, "param_dtype")
         self.compute_dtype = _float_dtype(compute_dtype, "compute_dtype")
@@ -135,6 +144,11 @@ class Policy(eqx.Module):
         self.scopes = _table(
             {AMP_STOP_SCOPE: KEEP, **_mapping(scopes, "scopes")}, "scopes"
         )
+        if residuals not in RESIDUALS:
+            raise ValueError(
+                f"Expected `residuals` in {RESIDUALS}, got {residuals!r} instead."
+            )
+        self.residuals = residuals
 
     def with_rules(self, **rules) -> Policy:
         """A copy with these primitive rules added: `with_rules(tanh="compute")`."""
@@ -144,6 +158,7 @@ class Policy(eqx.Module):
             self.output_dtype,
             rules={**dict(self.rules), **rules},
             scopes=dict(self.scopes),
+            residuals=self.residuals,
         )
 
     def with_scopes(self, scopes: Mapping[str, object]) -> Policy:
@@ -154,6 +169,7 @@ class Policy(eqx.Module):
             self.output_dtype,
             rules=dict(self.rules),
             scopes={**dict(self.scopes), **scopes},
+            residuals=self.residuals,
         )
 
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:

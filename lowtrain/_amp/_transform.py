@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from .._compat import COMBINER_PRIMITIVES
 from .._interpret import Eqn, Interpreter, call_transformed
@@ -43,6 +44,18 @@ class _AmpInterpreter(Interpreter):
     def __init__(self, policy: Policy):
         self.policy = policy
 
+    @staticmethod
+    def _cast(eqn: Eqn, x, dtype):
+        # One cast per (value, dtype) per trace: ops sharing an input share its cast,
+        # so the backward pass sums their cotangents once, in the wider dtype, and
+        # casts back once (per-use casts would round each to half and sum in half).
+        if x.dtype == dtype:
+            return x
+        key = (id(x), jnp.dtype(dtype))
+        if key not in eqn.memo:
+            eqn.memo[key] = (x, _cast(x, dtype))  # keeps `x` alive: ids stay unique
+        return eqn.memo[key][1]
+
     def rule(self, eqn: Eqn, *invals) -> list:
         name = eqn.primitive.name
         if name == "convert_element_type":
@@ -59,22 +72,33 @@ class _AmpInterpreter(Interpreter):
             action = KEEP
         if action == KEEP:
             args = [
-                _cast(v, a.dtype) if _is_float(v.dtype) else v
+                self._cast(eqn, v, a.dtype) if _is_float(v.dtype) else v
                 for v, a in zip(invals, eqn.in_avals)
             ]
         else:
             target = self._target(action, invals, eqn.weak)
             if target is None:  # no float inputs: nothing to decide
                 return eqn.bind(*invals)
-            args = [_cast(v, target) if _is_float(v.dtype) else v for v in invals]
+            args = [
+                self._cast(eqn, v, target) if _is_float(v.dtype) else v for v in invals
+            ]
+        params = {}
         if "preferred_element_type" in eqn.params:
             # dot_general/conv: return the operands' dtype (accumulation is float32 in
             # XLA either way, see `_rules.py`), so the backward matmuls run in it too.
             float_args = [a.dtype for a in args if _is_float(a.dtype)]
             pref = eqn.params["preferred_element_type"]
             if float_args and pref is not None and _is_float(pref):
-                return eqn.bind(*args, preferred_element_type=float_args[0])
-        return eqn.bind(*args)
+                params["preferred_element_type"] = float_args[0]
+        return self._tag(eqn.bind(*args, **params))
+
+    def _tag(self, outs):
+        # residuals="half": name the values in the compute dtype, the only ones the
+        # forward pass saves (see `remat_policy` in `_amp_call`).
+        if self.policy.residuals != "half":
+            return outs
+        half = self.policy.compute_dtype
+        return [checkpoint_name(o, _SAVED) if o.dtype == half else o for o in outs]
 
     def unsupported(self, eqn: Eqn, *invals) -> list:
         # Inside `amp_stop` (or any "keep" scope) a higher-order op we cannot look into
@@ -92,9 +116,9 @@ class _AmpInterpreter(Interpreter):
             target = self._target(action, [operand, updates], (False, False))
         p = eqn.params
         return _SCATTERS[eqn.primitive.name](
-            _cast(operand, target),
+            self._cast(eqn, operand, target),
             indices,
-            _cast(updates, target),
+            self._cast(eqn, updates, target),
             p["dimension_numbers"],
             indices_are_sorted=p["indices_are_sorted"],
             unique_indices=p["unique_indices"],
@@ -143,6 +167,8 @@ class _AmpInterpreter(Interpreter):
         return value
 
 
+_SAVED = "lowtrain.amp.saved"
+
 _SCATTERS = {
     "scatter": lax.scatter,
     "scatter-add": lax.scatter_add,
@@ -170,12 +196,16 @@ def _amp_call(fn, policy: Policy, args, kwargs):
         out_leaves, out_meta["tree"] = jax.tree.flatten(out_dynamic)
         return out_leaves
 
+    remat = None
+    if policy.residuals == "half":
+        remat = jax.checkpoint_policies.save_only_these_names(_SAVED)
     outs = call_transformed(
         _AmpInterpreter(policy),
         flat_fn,
         leaves,
         enter=lambda xs: _cast_floats(xs, policy.compute_dtype),
         leave=lambda outs: _cast_floats(outs, policy.output_dtype),
+        remat_policy=remat,
     )
     return eqx.combine(jax.tree.unflatten(out_meta["tree"], outs), out_meta["static"])
 
