@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from .._compat import COMBINER_PRIMITIVES
 from .._interpret import Eqn, Interpreter, call_transformed
@@ -90,15 +89,7 @@ class _AmpInterpreter(Interpreter):
             pref = eqn.params["preferred_element_type"]
             if float_args and pref is not None and _is_float(pref):
                 params["preferred_element_type"] = float_args[0]
-        return self._tag(eqn.bind(*args, **params))
-
-    def _tag(self, outs):
-        # residuals="half": name the values in the compute dtype, the only ones the
-        # forward pass saves (see `remat_policy` in `_amp_call`).
-        if self.policy.residuals != "half":
-            return outs
-        half = self.policy.compute_dtype
-        return [checkpoint_name(o, _SAVED) if o.dtype == half else o for o in outs]
+        return eqn.bind(*args, **params)
 
     def unsupported(self, eqn: Eqn, *invals) -> list:
         # Inside `amp_stop` (or any "keep" scope) a higher-order op we cannot look into
@@ -167,7 +158,20 @@ class _AmpInterpreter(Interpreter):
         return value
 
 
-_SAVED = "lowtrain.amp.saved"
+def _save_half(half):
+    """A `jax.checkpoint` policy: save an op's output only if it is not wider than
+    `half` (so float32 values are recomputed in the backward pass)."""
+    width = jnp.finfo(half).bits
+
+    def saveable(prim, *avals, **params):
+        out = params.get("new_dtype") or params.get("preferred_element_type")
+        if out is None:
+            floats = [a.dtype for a in avals if _is_float(getattr(a, "dtype", "i4"))]
+            out = floats[0] if floats else None
+        return out is None or not _is_float(out) or jnp.finfo(out).bits <= width
+
+    return saveable
+
 
 _SCATTERS = {
     "scatter": lax.scatter,
@@ -196,9 +200,7 @@ def _amp_call(fn, policy: Policy, args, kwargs):
         out_leaves, out_meta["tree"] = jax.tree.flatten(out_dynamic)
         return out_leaves
 
-    remat = None
-    if policy.residuals == "half":
-        remat = jax.checkpoint_policies.save_only_these_names(_SAVED)
+    remat = _save_half(policy.compute_dtype) if policy.residuals == "half" else None
     outs = call_transformed(
         _AmpInterpreter(policy),
         flat_fn,
