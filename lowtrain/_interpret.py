@@ -31,6 +31,17 @@ from jax import lax
 
 from . import _compat
 
+# The scatter primitives by name, and the public functions that rebuild them: their
+# combiner jaxpr is typed for the traced dtype, so a rule that changes dtypes calls
+# these (which trace a combiner for the new one) instead of binding.
+SCATTERS = {
+    "scatter": lax.scatter,
+    "scatter-add": lax.scatter_add,
+    "scatter-mul": lax.scatter_mul,
+    "scatter-min": lax.scatter_min,
+    "scatter-max": lax.scatter_max,
+}
+
 # Maps a higher-order primitive to `rule(interpreter, eqn, *invals) -> list of outvals`.
 # Filled with `register_higher_order`; registering a primitive twice is an error.
 HIGHER_ORDER_RULES: dict[_compat.Primitive, Callable[..., list]] = {}

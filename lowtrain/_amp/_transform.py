@@ -10,10 +10,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .._compat import COMBINER_PRIMITIVES
-from .._interpret import Eqn, Interpreter, call_transformed
+from .._interpret import SCATTERS, Eqn, Interpreter, call_transformed
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
 
@@ -64,7 +63,7 @@ class _AmpInterpreter(Interpreter):
         invals = [jnp.asarray(v) if not hasattr(v, "dtype") else v for v in invals]
         if action == FP8:
             return [self._fp8(eqn, *invals)]
-        if name in _SCATTERS:
+        if name in SCATTERS:
             return [self._scatter(eqn, action, *invals)]
         if name in COMBINER_PRIMITIVES:
             # Their combiner jaxpr is typed for the traced dtypes: keep those.
@@ -106,7 +105,7 @@ class _AmpInterpreter(Interpreter):
         else:
             target = self._target(action, [operand, updates], (False, False))
         p = eqn.params
-        return _SCATTERS[eqn.primitive.name](
+        return SCATTERS[eqn.primitive.name](
             self._cast(eqn, operand, target),
             indices,
             self._cast(eqn, updates, target),
@@ -171,15 +170,6 @@ def _save_half(half):
         return out is None or not _is_float(out) or jnp.finfo(out).bits <= width
 
     return saveable
-
-
-_SCATTERS = {
-    "scatter": lax.scatter,
-    "scatter-add": lax.scatter_add,
-    "scatter-mul": lax.scatter_mul,
-    "scatter-min": lax.scatter_min,
-    "scatter-max": lax.scatter_max,
-}
 
 
 def _cast_floats(leaves, dtype):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._interpret import Eqn
+from .._interpret import SCATTERS, Eqn
 from ._scaled_array import ScaledArray, is_scaled, pow2_round
 
 F32 = jnp.float32
@@ -139,18 +139,22 @@ def _div(ctx, eqn, a, b):
     return [ScaledArray(data.astype(out_dtype(eqn)), a.scale / b.scale)]
 
 
-@register("dot_general")
-def _dot_general(ctx, eqn, a, b):
-    """Scale `sa * sb * sqrt(K)` (power of two), K the contracted size: a sum of K
-    unit-scaled products. Float32 accumulation."""
-    a, b = scaled(a), scaled(b)
-    (contract, _), _ = eqn.params["dimension_numbers"]
-    k = math.prod(a.shape[i] for i in contract)
+def _contraction(ctx, eqn, a, b, k):
+    """`eqn` (a matmul or convolution) on the data, accumulated in float32, with scale
+    `sa * sb * sqrt(k)` (power of two): a sum of k unit-scaled products."""
     scale = ctx.pow2(a.scale * b.scale * math.sqrt(k))
-    params = {**eqn.params, "preferred_element_type": F32}
-    acc = lax.dot_general_p.bind(a.data, b.data, **params)
+    acc = eqn.bind(a.data, b.data, preferred_element_type=F32)[0]
     data = (acc * ratio(a.scale * b.scale, scale)).astype(out_dtype(eqn))
     return [ScaledArray(data, scale)]
+
+
+@register("dot_general")
+def _dot_general(ctx, eqn, a, b):
+    """Scale `sa * sb * sqrt(K)` (power of two), K the contracted size. Float32
+    accumulation."""
+    a, b = scaled(a), scaled(b)
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    return _contraction(ctx, eqn, a, b, math.prod(a.shape[i] for i in contract))
 
 
 @register("conv_general_dilated")
@@ -159,12 +163,7 @@ def _conv(ctx, eqn, a, b):
     features per group times its spatial size). Float32 accumulation."""
     a, b = scaled(a), scaled(b)
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial)
-    k = math.prod(b.shape[i] for i in rhs_spec[1:])
-    scale = ctx.pow2(a.scale * b.scale * math.sqrt(k))
-    params = {**eqn.params, "preferred_element_type": F32}
-    acc = lax.conv_general_dilated_p.bind(a.data, b.data, **params)
-    data = (acc * ratio(a.scale * b.scale, scale)).astype(out_dtype(eqn))
-    return [ScaledArray(data, scale)]
+    return _contraction(ctx, eqn, a, b, math.prod(b.shape[i] for i in rhs_spec[1:]))
 
 
 @register("reduce_sum")
@@ -245,16 +244,7 @@ def _dynamic_update_slice(ctx, eqn, operand, update, *indices):
     return [ScaledArray(eqn.bind(d_op, d_up, *indices)[0], scale)]
 
 
-_SCATTERS = {
-    "scatter": lax.scatter,
-    "scatter-add": lax.scatter_add,
-    "scatter-mul": lax.scatter_mul,
-    "scatter-min": lax.scatter_min,
-    "scatter-max": lax.scatter_max,
-}
-
-
-@register(*_SCATTERS)
+@register(*SCATTERS)
 def _scatter(ctx, eqn, operand, indices, updates):
     """The larger of the operand's and the updates' scales (scatter-mul: computed on
     the values, scaled dynamically: only some entries are multiplied)."""
@@ -264,7 +254,7 @@ def _scatter(ctx, eqn, operand, indices, updates):
         unique_indices=p["unique_indices"],
         mode=p["mode"],
     )
-    fn = _SCATTERS[eqn.primitive.name]
+    fn = SCATTERS[eqn.primitive.name]
     if eqn.primitive.name == "scatter-mul":
         result = fn(
             value(operand), indices, value(updates), p["dimension_numbers"], **kw
