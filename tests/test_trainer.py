@@ -472,3 +472,31 @@ def test_fp8_delayed_scaling_state_flows_through_the_step():
     assert state.model.x_scale.amax_history[3] == 0.0
     np.testing.assert_allclose(state.model.x_scale.scale, max(expected) / 448.0)
     assert float(metrics["grad_norm"]) < 100.0
+
+
+@pytest.mark.parametrize("compute", ["float16", "bfloat16"])
+def test_scalify_transform_trains(compute):
+    policy = lowtrain.Policy("float32", compute, "float32")
+    trainer = Regression(
+        make_model(), optax.adam(3e-3), policy=policy, transform="scalify"
+    )
+    ref = Regression(make_model(), optax.adam(3e-3))
+    data = make_data()
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam: b1 ** count
+        state = trainer.init(key=jax.random.key(1))
+        ref_state = ref.init(key=jax.random.key(1))
+        losses, ref_losses = [], []
+        for step in range(12):
+            batch = trainer.shard_batch(data(step))
+            state, metrics = trainer.compiled_step(batch, state)
+            ref_state, ref_metrics = ref.compiled_step(batch, ref_state)
+            losses.append(float(metrics["loss"]))
+            ref_losses.append(float(ref_metrics["loss"]))
+    # Weights are ScaledArrays of the compute dtype; the optimizer state float32 ones.
+    leaves = jax.tree.leaves(state.model, is_leaf=lowtrain.scalify.is_scaled)
+    weights = [x for x in leaves if lowtrain.scalify.is_scaled(x)]
+    assert weights and all(w.data.dtype == jnp.dtype(compute) for w in weights)
+    assert isinstance(state.loss_scale, lowtrain.NoOpLossScale)
+    assert metrics["loss"].dtype == jnp.float32
+    np.testing.assert_allclose(losses, ref_losses, rtol=0.05)
+    assert losses[-1] < losses[0]

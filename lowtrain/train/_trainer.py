@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from .. import fp8
+from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
 from .._loss_scale import (
     DynamicLossScale,
@@ -62,6 +62,10 @@ class Trainer:
       `NoOpLossScale`): `fit` raises `FloatingPointError` on a non-finite loss.
     - `learning_rate`: a number or an Optax schedule, only for logging, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
+    - `transform`: "amp" (the default, as above) or "scalify": the whole step, the
+      optimizer included, runs under `lowtrain.scalify.scalify`, the weights stored
+      as `ScaledArray`s of the policy's compute dtype and the optimizer state as
+      float32 `ScaledArray`s; `loss` gets the model itself (no loss scale needed).
     - `devices`: data parallelism over these devices (default `jax.devices()`, all
       devices of all processes): a 1-D `Mesh` named "data"; each batch is split along
       its leading axis, which must divide by the number of devices; the state is
@@ -111,6 +115,7 @@ class Trainer:
         stop_on_nonfinite: bool | None = None,
         learning_rate: Callable[[Any], Any] | float | None = None,
         devices: Sequence[jax.Device] | None = None,
+        transform: str = "amp",
     ):
         if type(self).loss is Trainer.loss:
             raise TypeError(
@@ -130,9 +135,15 @@ class Trainer:
                 "Expected a `lowtrain.Policy` or a policy name such as 'bf16', got "
                 f"{type(policy).__name__} instead."
             )
+        if transform not in ("amp", "scalify"):
+            raise ValueError(
+                f"Expected `transform` 'amp' or 'scalify', got {transform!r} instead."
+            )
+        self.transform = transform
         if loss_scale is None:
             half = self.policy.compute_dtype == jnp.float16
-            loss_scale = DynamicLossScale() if half else NoOpLossScale()
+            scaled = transform == "amp" and half
+            loss_scale = DynamicLossScale() if scaled else NoOpLossScale()
         if not isinstance(loss_scale, _LossScale):
             raise TypeError(
                 "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
@@ -194,7 +205,16 @@ class Trainer:
         # the optimizer, and write it into the new model as it is.
         grads, fp8_scales = fp8.pop_scales(grads)
         params = eqx.filter(state.model, eqx.is_inexact_array)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
+        if self.transform == "scalify":
+            # The optimizer's arithmetic in float32 (Adam squares the gradients), its
+            # updates cast back to the weights' dtype (scales are kept).
+            f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+            updates, opt_state = self.optimizer.update(
+                f32(grads), state.opt_state, f32(params)
+            )
+            updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+        else:
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
         new_model = eqx.apply_updates(state.model, updates)
         # apply_if_finite adds zero updates on a skipped step; `where` also keeps the
         # bits (p + 0.0 would turn -0.0 into +0.0).
@@ -234,6 +254,11 @@ class Trainer:
         """
         model = self.policy.cast_to_param(self.model)
         opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        if self.transform == "scalify":
+            # Master weights as ScaledArrays of the compute dtype; optimizer state as
+            # float32 ScaledArrays (moments of small gradients need the range).
+            model = scalify.as_scaled_array(model, dtype=self.policy.compute_dtype)
+            opt_state = scalify.as_scaled_array(opt_state)
         state = TrainState(
             jnp.zeros((), jnp.int32), model, opt_state, self.loss_scale, key
         )
@@ -281,8 +306,25 @@ class Trainer:
 
     def policy_model(self, model: PyTree) -> PyTree:
         """`model` as `loss` and `evaluate` receive it: `lowtrain.amp(model, policy)`,
-        or `model` itself under the "fp32" policy."""
-        return model if _is_fp32(self.policy) else amp(model, self.policy)
+        or `model` itself under the "fp32" policy or the scalify transform."""
+        if _is_fp32(self.policy) or self.transform == "scalify":
+            return model
+        return amp(model, self.policy)
+
+    def _transformed(self, fn: Callable) -> Callable:
+        # transform="scalify": the whole step (forward, gradient, optimizer) runs under
+        # `lowtrain.scalify.scalify`; metrics come back as plain float32 arrays.
+        if self.transform != "scalify":
+            return fn
+        scaled = scalify.scalify(fn)
+
+        def run(*args):
+            out = scaled(*args)
+            if isinstance(out, tuple):  # (state, metrics)
+                return out[0], scalify.asarray(out[1], jnp.float32)
+            return scalify.asarray(out, jnp.float32)
+
+        return run
 
     def _loss_with_aux(self, model, batch, *, key):
         out = self.loss(self.policy_model(model), batch, key=key)
@@ -294,9 +336,7 @@ class Trainer:
         `compiled_step(batch, state)`: every array of `state` is donated (its buffers
         are reused for the new state), the batch is not."""
 
-        def step(batch, state):
-            return self.train_step(state, batch)
-
+        step = self._transformed(lambda batch, state: self.train_step(state, batch))
         return eqx.filter_jit(step, donate="all-except-first")
 
     @functools.cached_property
@@ -304,7 +344,7 @@ class Trainer:
         def run(model, batch):
             return self.evaluate(self.policy_model(model), batch)
 
-        return eqx.filter_jit(run)
+        return eqx.filter_jit(self._transformed(run))
 
     def run_evaluation(self, state: TrainState, data: Iterable[PyTree]) -> dict:
         """The mean of each `evaluate` metric over the batches of `data`, as floats.
