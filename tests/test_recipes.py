@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +22,7 @@ from omegaconf import OmegaConf
 
 import lowtrain
 from lowtrain import fp8
-from lowtrain.recipes import _config, _mnist_data, _run, _text_data, optim
+from lowtrain.recipes import _config, _mnist_data, _run, _text_data, mnist, optim
 from lowtrain.recipes._layers import naive_fp8
 from lowtrain.recipes._prefetch import Prefetch
 
@@ -282,6 +283,25 @@ def test_naive_fp8_casts_with_scale_one():
     assert np.allclose(g[:, 0], e5m2 * np.array([448.0, 0.3125, 0.0]))
 
 
+@pytest.mark.parametrize("policy, naive", [("fp8", False), ("bf16", True)])
+def test_mnist_models_under_amp(policy, naive, getkey):
+    images = jax.random.randint(getkey(), (4, 28, 28), 0, 256).astype(jnp.uint8)
+    labels = jnp.arange(4, dtype=jnp.int32)
+    for model in (
+        mnist.MLP((16,), naive_fp8=naive, key=getkey()),
+        mnist.CNN((4, 8), 16, naive_fp8=naive, key=getkey()),
+    ):
+
+        def loss(m):
+            logits = lowtrain.amp(m, policy)(mnist.normalize(images))
+            assert logits.shape == (4, 10) and logits.dtype == jnp.float32
+            return mnist.cross_entropy(logits, labels)
+
+        grads = eqx.filter_grad(loss)(model)
+        leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_array))
+        assert all(g.dtype == jnp.float32 and jnp.isfinite(g).all() for g in leaves)
+
+
 def test_schedule_and_errors():
     sched = optim.make_schedule(1.0, 100, 10, "cosine", 0.1)
     assert float(sched(0)) == 0.0 and float(sched(10)) == 1.0
@@ -298,6 +318,7 @@ def test_schedule_and_errors():
 
 TINY_MNIST = [
     "model.hidden=[32]",
+    "optimizer.schedule=constant",
     "trainer.epochs=null",
     "trainer.steps=12",
     "trainer.batch_size=32",
@@ -355,16 +376,22 @@ def test_mnist_run_writes_every_output(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "test accuracy:" in printed and str(tmp_path / "run") in printed
 
-    # Resume: the same directory, more steps; it goes on from the last checkpoint.
-    cfg = make_config(
-        "recipe=mnist_fp16",
-        f"data.path={folder}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        *TINY_MNIST,
-        "trainer.steps=15",
-        "trainer.resume=true",
-    )
-    assert _run.run(cfg, tmp_path / "run")["steps"] == 15
+    # Resume: the same directory, more steps. It goes on from the last checkpoint
+    # exactly (the prefetched batches are a function of the step): step 15 is the
+    # same as in a run that went there at once (with a schedule that does not
+    # depend on the number of steps).
+    more = [*TINY_MNIST, "trainer.steps=15"]
+    data = [f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}"]
+    resumed = make_config("recipe=mnist_fp16", *data, *more, "trainer.resume=true")
+    assert _run.run(resumed, tmp_path / "run")["steps"] == 15
+    _run.run(make_config("recipe=mnist_fp16", *data, *more), tmp_path / "straight")
+    last = [
+        json.loads((tmp_path / d / "metrics.jsonl").read_text().splitlines()[-1])
+        for d in ("run", "straight")
+    ]
+    assert last[0]["step"] == last[1]["step"] == 15
+    assert last[0]["loss"] == last[1]["loss"]
+    assert last[0]["loss_scale"] == last[1]["loss_scale"]
 
 
 def test_gpt_run_naive_fp8(tmp_path):
@@ -397,11 +424,10 @@ def test_cli_sweep(tmp_path):
         f"data.cache_dir={tmp_path / 'cache'}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
         *TINY_MNIST,
-        "model.hidden=[8]",
-        "trainer.steps=4",
+        "trainer.steps=8",
         "trainer.eval_every=null",
         "trainer.checkpoint_every=null",
-        "trainer.log_every=1",
+        "trainer.log_every=2",
     ]
     done = subprocess.run(
         command, cwd=tmp_path, capture_output=True, text=True, env=os.environ.copy()
@@ -419,7 +445,12 @@ def test_cli_sweep(tmp_path):
 
 SLOW = {
     "mnist": ["trainer.epochs=null"],
-    "gpt": ["trainer.batch_size=8", "data.eval_batches=2", "optimizer.warmup_steps=3"],
+    # Hydra builds a sweep's base config without the swept `recipe` (the default,
+    # MNIST): a key only the text data has needs `data=shakespeare` named too.
+    "gpt": [
+        *("data=shakespeare", "data.eval_batches=2"),
+        *("trainer.batch_size=8", "optimizer.warmup_steps=3"),
+    ],
 }
 
 

@@ -1,0 +1,188 @@
+"""A character-level GPT in any precision: a nanoGPT-shaped decoder and its Trainer.
+
+Token and position embeddings, pre-LayerNorm blocks (causal self-attention, GELU
+MLP), a final LayerNorm and a head tied to the token embedding. The blocks' weights
+are stacked and run under `lax.scan` (one block to trace and compile; `amp` reaches
+inside the scan). As in `recipes/mnist.py`, the precision is the Trainer's business:
+`loss` receives `lowtrain.amp(model, policy)`.
+
+    python -m lowtrain recipe=gpt_fp8
+    python -m lowtrain recipe=gpt precision=fp16 data=text data.path=corpus.txt
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import pathlib
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+from omegaconf import DictConfig
+
+import lowtrain
+
+from . import _run
+from ._config import Config, GPTConfig, TextDataConfig
+from ._layers import LayerNorm, Linear, decay_mask, einsum
+from ._text_data import CharText, Crops, load_text
+
+EVAL_SEED = 1234  # the same validation crops for every run, whatever its seed
+
+
+class Block(eqx.Module):
+    """`x + attn(ln1(x))`, then `x + mlp(ln2(x))`: `(B, T, C) -> (B, T, C)`."""
+
+    ln1: LayerNorm
+    qkv: Linear
+    proj: Linear
+    ln2: LayerNorm
+    fc: Linear
+    out: Linear
+    n_head: int = eqx.field(static=True)
+
+    def __init__(self, c: GPTConfig, *, naive_fp8: bool, key: PRNGKeyArray):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        d = c.n_embd
+        # GPT-2's init: N(0, 0.02), and the projections into the residual stream
+        # scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow.
+        res = 0.02 / math.sqrt(2 * c.n_layer)
+        self.ln1, self.ln2 = LayerNorm(d), LayerNorm(d)
+        self.qkv = Linear(d, 3 * d, std=0.02, naive_fp8=naive_fp8, key=k1)
+        self.proj = Linear(d, d, std=res, naive_fp8=naive_fp8, key=k2)
+        self.fc = Linear(d, 4 * d, std=0.02, naive_fp8=naive_fp8, key=k3)
+        self.out = Linear(4 * d, d, std=res, naive_fp8=naive_fp8, key=k4)
+        self.n_head = c.n_head
+
+    def attention(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        b, t, c = x.shape
+        hs = c // self.n_head
+        naive = self.qkv.naive_fp8
+        q, k, v = (
+            a.reshape(b, t, self.n_head, hs)  # (B, T, nh, hs)
+            for a in jnp.split(self.qkv(x), 3, axis=-1)
+        )
+        att = einsum("bqhd,bkhd->bhqk", q, k, naive=naive) / math.sqrt(hs)
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
+        att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)  # (B,nh,T,T)
+        y = einsum("bhqk,bkhd->bqhd", att, v, naive=naive)  # (B, T, nh, hs)
+        return self.proj(y.reshape(b, t, c))
+
+    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+        x = x + self.attention(self.ln1(x))
+        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x)), approximate=False))
+
+
+class GPT(eqx.Module):
+    """Next-character logits: `(B, T)` int tokens -> `(B, T, vocab)` float logits."""
+
+    wte: Float[Array, "V C"]  # token embedding, also the output head (tied)
+    wpe: Float[Array, "T C"]  # learned position embedding
+    blocks: Block  # n_layer blocks, each array stacked on a leading axis
+    ln_f: LayerNorm
+    scan_layers: bool = eqx.field(static=True)
+    naive_fp8: bool = eqx.field(static=True)
+
+    def __init__(self, c: GPTConfig, vocab: int, *, naive_fp8=False, key):
+        if c.n_embd % c.n_head:
+            raise ValueError(
+                f"Expected `model.n_embd` divisible by `model.n_head`, got "
+                f"{c.n_embd} and {c.n_head} instead."
+            )
+        k_tok, k_pos, k_blocks = jax.random.split(key, 3)
+        self.wte = 0.02 * jax.random.normal(k_tok, (vocab, c.n_embd))
+        self.wpe = 0.02 * jax.random.normal(k_pos, (c.block_size, c.n_embd))
+        keys = jax.random.split(k_blocks, c.n_layer)
+        self.blocks = eqx.filter_vmap(lambda k: Block(c, naive_fp8=naive_fp8, key=k))(
+            keys
+        )
+        self.ln_f = LayerNorm(c.n_embd)
+        self.scan_layers, self.naive_fp8 = c.scan_layers, naive_fp8
+
+    def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+        b, t = tokens.shape
+        x = self.wte[tokens] + jnp.broadcast_to(self.wpe[:t], (b, t, self.wpe.shape[1]))
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        if self.scan_layers:
+            x, _ = lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)
+        else:  # unrolled: each block traced and compiled on its own
+            for i in range(jax.tree.leaves(params)[0].shape[0]):
+                layer = jax.tree.map(operator.itemgetter(i), params)
+                x = eqx.combine(layer, static)(x)
+        return einsum("btc,vc->btv", self.ln_f(x), self.wte, naive=self.naive_fp8)
+
+
+class GptTrainer(lowtrain.Trainer):
+    """Mean next-character cross-entropy (nats/char) over the batch and positions."""
+
+    def loss(self, model, batch, *, key):
+        logits = model(batch["x"]).astype(jnp.float32)  # (B, T, V)
+        logp = jax.nn.log_softmax(logits)
+        picked = jnp.take_along_axis(logp, batch["y"][..., None], -1)  # (B, T, 1)
+        return -jnp.mean(picked)
+
+
+def generate(model, prompt: np.ndarray, length: int, *, key, temperature=0.8):
+    """`length` characters sampled after `prompt` at `temperature` (the last
+    `len(prompt)` characters are the context; one compiled forward per character)."""
+
+    @eqx.filter_jit
+    def step(model, ctx, key):
+        logits = model(ctx[None])[0, -1].astype(jnp.float32)  # (V,)
+        return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+    ctx, out = jnp.asarray(prompt, jnp.int32), []
+    for k in jax.random.split(key, length):
+        nxt = step(model, ctx, k)
+        out.append(int(nxt))
+        ctx = jnp.concatenate([ctx[1:], nxt[None]])
+    return np.array(out)
+
+
+def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
+    """Train the char-level GPT as `config` says, writing to `out`; returns results."""
+    if not isinstance(config.data, TextDataConfig) or not isinstance(
+        config.model, GPTConfig
+    ):
+        raise ValueError(
+            "Expected model=gpt and data=shakespeare or data=text for the GPT "
+            f"recipe, got {type(config.model).__name__} and "
+            f"{type(config.data).__name__} instead."
+        )
+    d, t, m = config.data, config.trainer, config.model
+    chars = CharText(load_text(d.path, d.cache_dir), d.val_fraction)
+    train_data = Crops(chars.train, t.batch_size, m.block_size, seed=t.seed)
+    val = Crops(chars.val, t.eval_batch_size, m.block_size, seed=EVAL_SEED)
+    eval_data = [val(i) for i in range(d.eval_batches)]
+    steps = _run.total_steps(config, None)
+    model_key, state_key = jax.random.split(jax.random.key(t.seed))
+    model = GPT(
+        m, len(chars.vocab), naive_fp8=config.precision.naive_fp8, key=model_key
+    )
+    trainer = GptTrainer(
+        model,
+        _run.optimizer(cfg, steps, decay_mask),
+        **_run.trainer_options(config.precision),
+    )
+    state = _run.fit(trainer, config, train_data, eval_data, steps, out, key=state_key)
+    val_loss = trainer.run_evaluation(state, eval_data)["loss"]
+    prompt = chars.val[: m.block_size]
+    sample = generate(
+        trainer.policy_model(state.model), prompt, 300, key=jax.random.key(t.seed)
+    )
+    (out / "sample.txt").write_text(chars.decode(prompt) + chars.decode(sample))
+    return {
+        "final": {"val_loss": val_loss},
+        "steps": int(state.step),
+        "parameters": _run.count_parameters(model),
+        "vocab_size": len(chars.vocab),
+        "train_characters": len(chars.train),
+        "val_characters": len(chars.val),
+        "val_tokens_evaluated": d.eval_batches * t.eval_batch_size * m.block_size,
+        "skipped_steps": int(state.skipped),
+        "final_loss_scale": _run.final_loss_scale(state),
+    }
