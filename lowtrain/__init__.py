@@ -4,6 +4,10 @@ from . import _compat
 
 _compat.check_version()
 
+from . import _checkout  # noqa: E402
+
+_checkout.install()  # `lowtrain.recipes` and `lowtrain.conf` from a checkout too
+
 from . import fp8 as fp8  # noqa: E402
 from . import scalify as scalify  # noqa: E402
 from ._amp import DEFAULT_RULES as DEFAULT_RULES  # noqa: E402

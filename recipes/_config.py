@@ -25,6 +25,7 @@ class Transform(Enum):
     """How the model is run in low precision (`precision.transform`)."""
 
     amp = "amp"  # `lowtrain.amp(model, policy)`, through `lowtrain.Trainer`
+    scalify = "scalify"  # the whole step under `lowtrain.scalify` (Trainer transform)
 
 
 class LossScale(Enum):
@@ -49,6 +50,9 @@ class PrecisionConfig:
     # The baseline of the FP8 results: every matmul's operands cast to E4M3 (its
     # output cotangent to E5M2) with scale 1, saturating. See `recipes/_layers.py`.
     naive_fp8: bool = False
+    # With transform=scalify: every matmul's operands' data cast to E4M3 (the output
+    # cotangent's to E5M2), scales kept (`lowtrain.scalify.cast_fp8`).
+    scalify_fp8: bool = False
 
 
 @dataclass

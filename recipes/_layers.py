@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, PRNGKeyArray, PyTree
 
-from lowtrain import fp8
+from lowtrain import fp8, scalify
 
 DECAYED = ("kernel", "wte", "wpe")
 
@@ -70,10 +70,35 @@ def naive_fp8(op, lhs: Array, rhs: Array) -> Array:
     return run(lhs, rhs)
 
 
-def einsum(spec: str, a: Array, b: Array, *, naive: bool = False) -> Array:
-    """`jnp.einsum(spec, a, b)`, through `naive_fp8` if `naive`."""
-    op = functools.partial(jnp.einsum, spec)
-    return naive_fp8(op, a, b) if naive else op(a, b)
+def scalify_fp8(op, lhs: Array, rhs: Array) -> Array:
+    """`op(lhs, rhs)` for `transform=scalify`: both operands rescaled to unit RMS and
+    their data cast to E4M3; in the backward pass the output cotangent is rescaled to
+    unit RMS and its data cast to E5M2 (`lowtrain.scalify.dynamic_rescale_l2[_grad]`,
+    `cast_fp8`: the scales are kept, so values do not change beyond FP8 rounding).
+    Unit RMS puts the data where the FP8 formats have their precision and range.
+    Outside `scalify` the rescales are the identity and the casts have scale 1."""
+    lhs = scalify.cast_fp8(scalify.dynamic_rescale_l2(lhs), fp8.E4M3, None)
+    rhs = scalify.cast_fp8(scalify.dynamic_rescale_l2(rhs), fp8.E4M3, None)
+    # Backward, the cotangent meets the rescale first, then the E5M2 cast.
+    out = scalify.cast_fp8(op(lhs, rhs), None, fp8.E5M2)
+    return scalify.dynamic_rescale_l2_grad(out)
+
+
+FP8_PATHS = {
+    None: lambda op, a, b: op(a, b),
+    "naive": naive_fp8,
+    "scalify": scalify_fp8,
+}
+
+
+def fp8_op(path: str | None, op, a: Array, b: Array) -> Array:
+    """`op(a, b)` through the FP8 path `path`: None (as is), "naive" or "scalify"."""
+    return FP8_PATHS[path](op, a, b)
+
+
+def einsum(spec: str, a: Array, b: Array, *, fp8_path: str | None = None) -> Array:
+    """`jnp.einsum(spec, a, b)` through `fp8_op`."""
+    return fp8_op(fp8_path, functools.partial(jnp.einsum, spec), a, b)
 
 
 def _add_bias(y: Array, bias: Array | None) -> Array:
@@ -85,7 +110,7 @@ class Linear(eqx.Module):
 
     kernel: Float[Array, "in out"]
     bias: Float[Array, " out"] | None
-    naive_fp8: bool = eqx.field(static=True)
+    fp8_path: str | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -94,16 +119,16 @@ class Linear(eqx.Module):
         *,
         std: float | None = None,
         bias: bool = True,
-        naive_fp8: bool = False,
+        fp8_path: str | None = None,
         key: PRNGKeyArray,
     ):
         std = 1 / math.sqrt(in_features) if std is None else std
         self.kernel = std * jax.random.normal(key, (in_features, out_features))
         self.bias = jnp.zeros(out_features) if bias else None
-        self.naive_fp8 = naive_fp8
+        self.fp8_path = fp8_path
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
-        y = einsum("...i,io->...o", x, self.kernel, naive=self.naive_fp8)
+        y = einsum("...i,io->...o", x, self.kernel, fp8_path=self.fp8_path)
         return _add_bias(y, self.bias)
 
 
@@ -112,13 +137,13 @@ class Conv2d(eqx.Module):
 
     kernel: Float[Array, "3 3 in out"]
     bias: Float[Array, " out"]
-    naive_fp8: bool = eqx.field(static=True)
+    fp8_path: str | None = eqx.field(static=True)
 
-    def __init__(self, in_ch: int, out_ch: int, *, naive_fp8=False, key: PRNGKeyArray):
+    def __init__(self, in_ch: int, out_ch: int, *, fp8_path=None, key: PRNGKeyArray):
         std = math.sqrt(2 / (9 * in_ch))  # He: the convolutions feed ReLUs
         self.kernel = std * jax.random.normal(key, (3, 3, in_ch, out_ch))
         self.bias = jnp.zeros(out_ch)
-        self.naive_fp8 = naive_fp8
+        self.fp8_path = fp8_path
 
     def __call__(self, x: Float[Array, "B H W C"]) -> Float[Array, "B H W O"]:
         op = functools.partial(
@@ -127,7 +152,7 @@ class Conv2d(eqx.Module):
             padding="SAME",
             dimension_numbers=("NHWC", "HWIO", "NHWC"),
         )
-        y = naive_fp8(op, x, self.kernel) if self.naive_fp8 else op(x, self.kernel)
+        y = fp8_op(self.fp8_path, op, x, self.kernel)
         return _add_bias(y, self.bias)
 
 

@@ -58,10 +58,12 @@ def to_config(cfg: DictConfig) -> Config:
 
 def trainer_options(precision: PrecisionConfig) -> dict[str, Any]:
     """`lowtrain.Trainer` keyword arguments for a precision: policy, loss scale."""
-    if precision.transform is Transform.amp:
-        policy = lowtrain.get_policy(precision.policy)
-    else:  # another transform (scalify) adds its branch here
-        raise NotImplementedError(f"precision.transform={precision.transform.name}")
+    policy = lowtrain.get_policy(precision.policy)
+    if precision.scalify_fp8 and precision.transform is not Transform.scalify:
+        raise ValueError(
+            "Expected `precision.transform=scalify` with `precision.scalify_fp8`, got "
+            f"transform={precision.transform.name}. Use `precision=scalify_fp8`."
+        )
     if precision.naive_fp8 and policy == lowtrain.get_policy("fp8"):
         raise ValueError(
             "Expected `precision.naive_fp8` with a policy that leaves matmuls to the "
@@ -75,7 +77,19 @@ def trainer_options(precision: PrecisionConfig) -> dict[str, Any]:
             precision.init_scale, growth_interval=precision.growth_interval
         ),
     }[precision.loss_scale]()
-    return {"policy": policy, "loss_scale": scale, "redo_on_nan": precision.redo_on_nan}
+    return {
+        "policy": policy,
+        "loss_scale": scale,
+        "redo_on_nan": precision.redo_on_nan,
+        "transform": precision.transform.value,
+    }
+
+
+def fp8_path_of(precision: PrecisionConfig) -> str | None:
+    """How the models' matmuls go through FP8: None, "naive" or "scalify"."""
+    if precision.naive_fp8:
+        return "naive"
+    return "scalify" if precision.scalify_fp8 else None
 
 
 def total_steps(config: Config, steps_per_epoch: int | None) -> int:

@@ -45,31 +45,31 @@ class Block(eqx.Module):
     out: Linear
     n_head: int = eqx.field(static=True)
 
-    def __init__(self, c: GPTConfig, *, naive_fp8: bool, key: PRNGKeyArray):
+    def __init__(self, c: GPTConfig, *, fp8_path: str | None, key: PRNGKeyArray):
         k1, k2, k3, k4 = jax.random.split(key, 4)
         d = c.n_embd
         # GPT-2's init: N(0, 0.02), and the projections into the residual stream
         # scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow.
         res = 0.02 / math.sqrt(2 * c.n_layer)
         self.ln1, self.ln2 = LayerNorm(d), LayerNorm(d)
-        self.qkv = Linear(d, 3 * d, std=0.02, naive_fp8=naive_fp8, key=k1)
-        self.proj = Linear(d, d, std=res, naive_fp8=naive_fp8, key=k2)
-        self.fc = Linear(d, 4 * d, std=0.02, naive_fp8=naive_fp8, key=k3)
-        self.out = Linear(4 * d, d, std=res, naive_fp8=naive_fp8, key=k4)
+        self.qkv = Linear(d, 3 * d, std=0.02, fp8_path=fp8_path, key=k1)
+        self.proj = Linear(d, d, std=res, fp8_path=fp8_path, key=k2)
+        self.fc = Linear(d, 4 * d, std=0.02, fp8_path=fp8_path, key=k3)
+        self.out = Linear(4 * d, d, std=res, fp8_path=fp8_path, key=k4)
         self.n_head = c.n_head
 
     def attention(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         b, t, c = x.shape
         hs = c // self.n_head
-        naive = self.qkv.naive_fp8
+        naive = self.qkv.fp8_path
         q, k, v = (
             a.reshape(b, t, self.n_head, hs)  # (B, T, nh, hs)
             for a in jnp.split(self.qkv(x), 3, axis=-1)
         )
-        att = einsum("bqhd,bkhd->bhqk", q, k, naive=naive) / math.sqrt(hs)
+        att = einsum("bqhd,bkhd->bhqk", q, k, fp8_path=naive) / math.sqrt(hs)
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
         att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)  # (B,nh,T,T)
-        y = einsum("bhqk,bkhd->bqhd", att, v, naive=naive)  # (B, T, nh, hs)
+        y = einsum("bhqk,bkhd->bqhd", att, v, fp8_path=naive)  # (B, T, nh, hs)
         return self.proj(y.reshape(b, t, c))
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
@@ -85,9 +85,9 @@ class GPT(eqx.Module):
     blocks: Block  # n_layer blocks, each array stacked on a leading axis
     ln_f: LayerNorm
     scan_layers: bool = eqx.field(static=True)
-    naive_fp8: bool = eqx.field(static=True)
+    fp8_path: str | None = eqx.field(static=True)
 
-    def __init__(self, c: GPTConfig, vocab: int, *, naive_fp8=False, key):
+    def __init__(self, c: GPTConfig, vocab: int, *, fp8_path=None, key):
         if c.n_embd % c.n_head:
             raise ValueError(
                 f"Expected `model.n_embd` divisible by `model.n_head`, got "
@@ -97,11 +97,11 @@ class GPT(eqx.Module):
         self.wte = 0.02 * jax.random.normal(k_tok, (vocab, c.n_embd))
         self.wpe = 0.02 * jax.random.normal(k_pos, (c.block_size, c.n_embd))
         keys = jax.random.split(k_blocks, c.n_layer)
-        self.blocks = eqx.filter_vmap(lambda k: Block(c, naive_fp8=naive_fp8, key=k))(
+        self.blocks = eqx.filter_vmap(lambda k: Block(c, fp8_path=fp8_path, key=k))(
             keys
         )
         self.ln_f = LayerNorm(c.n_embd)
-        self.scan_layers, self.naive_fp8 = c.scan_layers, naive_fp8
+        self.scan_layers, self.fp8_path = c.scan_layers, fp8_path
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
         b, t = tokens.shape
@@ -113,7 +113,7 @@ class GPT(eqx.Module):
             for i in range(jax.tree.leaves(params)[0].shape[0]):
                 layer = jax.tree.map(operator.itemgetter(i), params)
                 x = eqx.combine(layer, static)(x)
-        return einsum("btc,vc->btv", self.ln_f(x), self.wte, naive=self.naive_fp8)
+        return einsum("btc,vc->btv", self.ln_f(x), self.wte, fp8_path=self.fp8_path)
 
 
 class GptTrainer(lowtrain.Trainer):
@@ -161,7 +161,7 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
     steps = _run.total_steps(config, None)
     model_key, state_key = jax.random.split(jax.random.key(t.seed))
     model = GPT(
-        m, len(chars.vocab), naive_fp8=config.precision.naive_fp8, key=model_key
+        m, len(chars.vocab), fp8_path=_run.fp8_path_of(config.precision), key=model_key
     )
     trainer = GptTrainer(
         model,

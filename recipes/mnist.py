@@ -34,7 +34,7 @@ class MLP(eqx.Module):
 
     layers: tuple[Linear, ...]
 
-    def __init__(self, hidden=(512, 512), *, naive_fp8=False, key: PRNGKeyArray):
+    def __init__(self, hidden=(512, 512), *, fp8_path=None, key: PRNGKeyArray):
         sizes = (784, *hidden, 10)
         keys = jax.random.split(key, len(sizes) - 1)
         self.layers = tuple(
@@ -43,7 +43,7 @@ class MLP(eqx.Module):
                 n,
                 m,
                 std=(2 / n) ** 0.5 if m != 10 else None,
-                naive_fp8=naive_fp8,
+                fp8_path=fp8_path,
                 key=k,
             )
             for n, m, k in zip(sizes[:-1], sizes[1:], keys)
@@ -62,20 +62,20 @@ class CNN(eqx.Module):
     convs: tuple[Conv2d, ...]
     head: tuple[Linear, Linear]
 
-    def __init__(self, channels=(32, 64), hidden=128, *, naive_fp8=False, key):
+    def __init__(self, channels=(32, 64), hidden=128, *, fp8_path=None, key):
         keys = jax.random.split(key, len(channels) + 2)
         ins = (1, *channels[:-1])
         self.convs = tuple(
-            Conv2d(i, o, naive_fp8=naive_fp8, key=k)
+            Conv2d(i, o, fp8_path=fp8_path, key=k)
             for i, o, k in zip(ins, channels, keys)
         )
         side = 28 // 2 ** len(channels)
         flat = side * side * channels[-1]
         self.head = (
             Linear(
-                flat, hidden, std=(2 / flat) ** 0.5, naive_fp8=naive_fp8, key=keys[-2]
+                flat, hidden, std=(2 / flat) ** 0.5, fp8_path=fp8_path, key=keys[-2]
             ),
-            Linear(hidden, 10, naive_fp8=naive_fp8, key=keys[-1]),
+            Linear(hidden, 10, fp8_path=fp8_path, key=keys[-1]),
         )
 
     def __call__(self, images: Float[Array, "B 28 28"]) -> Float[Array, "B 10"]:
@@ -90,11 +90,11 @@ class CNN(eqx.Module):
 
 
 def build_model(config: Config, *, key: PRNGKeyArray) -> eqx.Module:
-    m, naive = config.model, config.precision.naive_fp8
+    m, naive = config.model, _run.fp8_path_of(config.precision)
     if isinstance(m, MLPConfig):
-        return MLP(tuple(m.hidden), naive_fp8=naive, key=key)
+        return MLP(tuple(m.hidden), fp8_path=naive, key=key)
     if isinstance(m, CNNConfig):
-        return CNN(tuple(m.channels), m.hidden, naive_fp8=naive, key=key)
+        return CNN(tuple(m.channels), m.hidden, fp8_path=naive, key=key)
     raise ValueError(
         f"Expected model=mlp or model=cnn for MNIST, got {type(m).__name__} instead."
     )

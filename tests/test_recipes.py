@@ -29,7 +29,7 @@ from lowtrain.recipes._prefetch import Prefetch
 RECIPES = [
     f"{task}{suffix}"
     for task in ("mnist", "gpt")
-    for suffix in ("", "_fp32", "_bf16", "_fp16", "_fp8")
+    for suffix in ("", "_fp32", "_bf16", "_fp16", "_fp8", "_scalify_fp8")
 ]
 _config.register()
 
@@ -59,9 +59,12 @@ def test_every_recipe_composes(recipe):
     model = {"mnist": _config.MLPConfig, "gpt": _config.GPTConfig}[task]
     assert isinstance(config.model, model)
     assert isinstance(config.optimizer, _config.AdamWConfig)
-    scale = _run.trainer_options(config.precision)["loss_scale"]
-    dynamic = isinstance(scale, lowtrain.DynamicLossScale)
+    options = _run.trainer_options(config.precision)
+    dynamic = isinstance(options["loss_scale"], lowtrain.DynamicLossScale)
     assert dynamic == (precision == "fp16")
+    scalified = precision.startswith("scalify")
+    assert options["transform"] == ("scalify" if scalified else "amp")
+    assert _run.fp8_path_of(config.precision) == ("scalify" if scalified else None)
 
 
 def test_default_is_mnist_fp8():
@@ -288,8 +291,8 @@ def test_mnist_models_under_amp(policy, naive, getkey):
     images = jax.random.randint(getkey(), (4, 28, 28), 0, 256).astype(jnp.uint8)
     labels = jnp.arange(4, dtype=jnp.int32)
     for model in (
-        mnist.MLP((16,), naive_fp8=naive, key=getkey()),
-        mnist.CNN((4, 8), 16, naive_fp8=naive, key=getkey()),
+        mnist.MLP((16,), fp8_path="naive" if naive else None, key=getkey()),
+        mnist.CNN((4, 8), 16, fp8_path="naive" if naive else None, key=getkey()),
     ):
 
         def loss(m):
@@ -485,3 +488,32 @@ def test_every_recipe_through_the_cli(tmp_path, task):
         plots = ("loss", "accuracy", "loss_scale") if task == "mnist" else ("loss",)
         summary, _ = check_outputs(tmp_path / recipe, metric, plots=plots)
         assert summary["steps"] == 30
+
+
+def test_scalify_fp8_mlp_trains(getkey):
+    # The MLP with its matmuls through scalify's FP8 casts, trained by the Trainer
+    # under transform="scalify": the loss falls like the float32 one.
+    from lowtrain.recipes.mnist import MLP
+
+    x = jax.random.normal(getkey(), (64, 784))
+    y = jax.random.randint(getkey(), (64,), 0, 10)
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            logp = jax.nn.log_softmax(model(batch["x"]))
+            return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], 1))
+
+    losses = {}
+    for path, transform in [(None, "amp"), ("scalify", "scalify")]:
+        model = MLP((32,), fp8_path=path, key=jax.random.key(0))
+        policy = "fp32" if path is None else lowtrain.get_policy("p=f32,c=f16")
+        trainer = Fit(model, optax.sgd(0.1), policy=policy, transform=transform)
+        state = trainer.init(key=jax.random.key(1))
+        batch = trainer.shard_batch({"x": x, "y": y})
+        out = []
+        for _ in range(5):
+            state, metrics = trainer.compiled_step(batch, state)
+            out.append(float(metrics["loss"]))
+        losses[transform] = out
+    np.testing.assert_allclose(losses["scalify"], losses["amp"], rtol=0.05)
+    assert losses["scalify"][-1] < losses["scalify"][0]

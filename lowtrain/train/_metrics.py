@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, PyTree
 
 
@@ -37,7 +38,8 @@ def learning_rate(
 
     for s in jax.tree.leaves(opt_state, is_leaf=is_injected):
         if is_injected(s) and "learning_rate" in s.hyperparams:
-            return float(s.hyperparams["learning_rate"])
+            # Under transform="scalify" it is a ScaledArray.
+            return float(np.asarray(s.hyperparams["learning_rate"]))
     if schedule is None:
         return None
     if callable(schedule):

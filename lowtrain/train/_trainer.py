@@ -311,6 +311,13 @@ class Trainer:
             return model
         return amp(model, self.policy)
 
+    def _inputs(self, batch: PyTree) -> PyTree:
+        # Under scalify the model computes in its weights' dtype: float inputs are
+        # cast to it, as `amp` casts them on entry.
+        if self.transform == "scalify":
+            return self.policy.cast_to_compute(batch)
+        return batch
+
     def _transformed(self, fn: Callable) -> Callable:
         # transform="scalify": the whole step (forward, gradient, optimizer) runs under
         # `lowtrain.scalify.scalify`; metrics come back as plain float32 arrays.
@@ -336,13 +343,15 @@ class Trainer:
         `compiled_step(batch, state)`: every array of `state` is donated (its buffers
         are reused for the new state), the batch is not."""
 
-        step = self._transformed(lambda batch, state: self.train_step(state, batch))
+        step = self._transformed(
+            lambda batch, state: self.train_step(state, self._inputs(batch))
+        )
         return eqx.filter_jit(step, donate="all-except-first")
 
     @functools.cached_property
     def _compiled_eval(self) -> Callable:
         def run(model, batch):
-            return self.evaluate(self.policy_model(model), batch)
+            return self.evaluate(self.policy_model(model), self._inputs(batch))
 
         return eqx.filter_jit(self._transformed(run))
 
