@@ -171,8 +171,11 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
     state = _run.fit(trainer, config, train_data, eval_data, steps, out, key=state_key)
     val_loss = trainer.run_evaluation(state, eval_data)["loss"]
     prompt = chars.val[: m.block_size]
+    # Sampled from the plain values (under transform=scalify the weights are
+    # ScaledArrays, which only `scalify` runs).
+    plain = lowtrain.scalify.asarray(state.model, jnp.float32)
     sample = generate(
-        trainer.policy_model(state.model), prompt, 300, key=jax.random.key(t.seed)
+        trainer.policy_model(plain), prompt, 300, key=jax.random.key(t.seed)
     )
     (out / "sample.txt").write_text(chars.decode(prompt) + chars.decode(sample))
     return {
