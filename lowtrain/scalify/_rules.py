@@ -143,7 +143,12 @@ def _contraction(ctx, eqn, a, b, k):
     """`eqn` (a matmul or convolution) on the data, accumulated in float32, with scale
     `sa * sb * sqrt(k)` (power of two): a sum of k unit-scaled products."""
     scale = ctx.pow2(a.scale * b.scale * math.sqrt(k))
-    acc = eqn.bind(a.data, b.data, preferred_element_type=F32)[0]
+    da, db = a.data, b.data
+    if jax.default_backend() == "cpu":
+        # XLA:CPU has no bfloat16 x bfloat16 -> float32 dot kernel; float32 operands
+        # give the same numbers (every half value is exact in float32).
+        da, db = da.astype(F32), db.astype(F32)
+    acc = eqn.bind(da, db, preferred_element_type=F32)[0]
     data = (acc * ratio(a.scale * b.scale, scale)).astype(out_dtype(eqn))
     return [ScaledArray(data, scale)]
 
