@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 
@@ -46,3 +47,22 @@ def make_jaxpr(fn):
     import equinox as eqx
 
     return lambda *args: eqx.filter_make_jaxpr(fn)(*args)[0]
+
+
+@jax.custom_vjp
+def _sin(x):
+    return jnp.sin(x)
+
+
+_sin.defvjp(lambda x: (jnp.sin(x), x), lambda r, c: (c * jnp.cos(r),))
+
+
+def higher_order_program(x):
+    """One of each higher-order primitive lowtrain handles: jit, custom_vjp (and
+    custom_jvp, through relu), scan, cond, while, remat."""
+    y = jax.jit(jnp.sin)(x)
+    y = _sin(jax.nn.relu(y))
+    y, _ = lax.scan(lambda c, _: (c * 2.0, None), y, None, length=2)
+    y = lax.cond(jnp.sum(y) > 0, lambda a: a, lambda a: -a, y)
+    y = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 1.5), (0, y))[1]
+    return jax.checkpoint(jnp.exp)(y)

@@ -16,6 +16,8 @@ A rule is an *action* (a string, so policies stay plain data that Hydra can writ
 
 from __future__ import annotations
 
+from .. import _scopes
+
 COMPUTE = "compute"
 FLOAT32 = "float32"
 WIDEST = "widest"
@@ -24,8 +26,9 @@ FP8 = "fp8"
 ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP, FP8)
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
-# `amp_stop` opens a `jax.named_scope` with this name; every policy maps it to "keep".
-AMP_STOP_SCOPE = "lowtrain.amp_stop"
+# `amp_stop` opens a `jax.named_scope` with this name (defined in the core, since
+# `lowtrain.fp8` opens it too); every policy maps it to "keep".
+AMP_STOP_SCOPE = _scopes.AMP_STOP_SCOPE
 
 # Matmuls and convolutions carry almost all the FLOPs and are what tensor cores speed
 # up. They run in the compute dtype and also return it, so the activations they

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array
 
-from .._amp._rules import AMP_STOP_SCOPE
+from .._scopes import AMP_STOP_SCOPE
 from ._formats import E4M3, E5M2
 from ._quantize import amax, current_scale, dequantize, quantize
 

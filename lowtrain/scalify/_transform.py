@@ -8,7 +8,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._interpret import Eqn, Interpreter
+from .._eqn import Eqn, Values
+from .._interpret import Interpreter
 from . import _ops  # noqa: F401  (registers the rule of the scalify_op primitive)
 from ._rules import RULES, Ctx, scaled, value
 from ._scaled_array import POW2_MODES, ScaledArray, is_scaled
@@ -46,37 +47,8 @@ def _merged(v):
 _STACKED = "stacked"
 
 
-class _ScalifyInterpreter(Interpreter):
-    def __init__(self, pow2: str):
-        self.ctx = Ctx(pow2)
-
-    def rule(self, eqn: Eqn, *invals) -> list:
-        invals = [_merged(v) for v in invals]
-        name = eqn.primitive.name
-        if name != "scalify_op" and not any(is_scaled(v) for v in invals):
-            return eqn.bind(*invals)  # integers, booleans, unscaled floats: as is
-        rule = RULES.get(name)
-        if rule is None:
-            raise NotImplementedError(
-                f"scalify has no rule for the primitive `{eqn.primitive}`, which got a "
-                "ScaledArray input. Convert it first with `lowtrain.scalify."
-                "stop_scaling(x)`, or register a rule with `lowtrain.scalify."
-                "register_rule(name)`."
-            )
-        return rule(self.ctx, eqn, *invals)
-
-    def join(self, types):
-        scaled_types = [t for t in types if _is_sa_type(t)]
-        return scaled_types[0] if scaled_types else types[0]
-
-    def coerce(self, value_, type_):
-        value_ = _merged(value_)
-        if _is_sa_type(type_):
-            v = scaled(value_)
-            return ScaledArray(v.data.astype(type_.data.dtype), v.scale)
-        if is_scaled(value_):
-            return value_.to_array(type_.dtype)
-        return value_.astype(type_.dtype) if value_.dtype != type_.dtype else value_
+class _ScaledValues(Values):
+    """`lowtrain._eqn.Values` for `ScaledArray`s (see each hook there)."""
 
     # A scanned ScaledArray slices its data; its scale is shared by every step. A
     # stacked output slices both its data and its per-step scales.
@@ -109,7 +81,7 @@ class _ScalifyInterpreter(Interpreter):
 
     def tangent_out(self, primal, tangent):
         if not is_scaled(primal):
-            return self.coerce(tangent, jax.eval_shape(lambda p: p, primal))
+            return tangent
         data = (value(tangent) / primal.scale).astype(primal.dtype)
         return ScaledArray(data, jnp.zeros((), F32))
 
@@ -124,17 +96,51 @@ class _ScalifyInterpreter(Interpreter):
             for c, s in zip(cts, out_scales)
         ]
 
-    def cotangents_out(self, saved, cts, types):
+    def cotangents_out(self, saved, cts):
         primals, _ = saved
         out = []
-        for x, c, t in zip(primals, cts, types):
+        for x, c in zip(primals, cts):
             if is_scaled(x):
                 c = value(c)
                 data = (c * x.scale).astype(x.dtype)
-                out.append(ScaledArray(data, jnp.sum(c * x.data.astype(F32))))
-            else:
-                out.append(self.coerce(c, t))
+                c = ScaledArray(data, jnp.sum(c * x.data.astype(F32)))
+            out.append(c)
         return out
+
+
+class _ScalifyInterpreter(Interpreter):
+    values = _ScaledValues()
+
+    def __init__(self, pow2: str):
+        self.ctx = Ctx(pow2)
+
+    def rule(self, eqn: Eqn, *invals) -> list:
+        invals = [_merged(v) for v in invals]
+        name = eqn.primitive.name
+        if name != "scalify_op" and not any(is_scaled(v) for v in invals):
+            return eqn.bind(*invals)  # integers, booleans, unscaled floats: as is
+        rule = RULES.get(name)
+        if rule is None:
+            raise NotImplementedError(
+                f"scalify has no rule for the primitive `{eqn.primitive}`, which got a "
+                "ScaledArray input. Convert it first with `lowtrain.scalify."
+                "stop_scaling(x)`, or register a rule with `lowtrain.scalify."
+                "register_rule(name)`."
+            )
+        return rule(self.ctx, eqn, *invals)
+
+    def join(self, types):
+        scaled_types = [t for t in types if _is_sa_type(t)]
+        return scaled_types[0] if scaled_types else types[0]
+
+    def coerce(self, value_, type_):
+        value_ = _merged(value_)
+        if _is_sa_type(type_):
+            v = scaled(value_)
+            return ScaledArray(v.data.astype(type_.data.dtype), v.scale)
+        if is_scaled(value_):
+            return value_.to_array(type_.dtype)
+        return value_.astype(type_.dtype) if value_.dtype != type_.dtype else value_
 
 
 def _abstract(x):

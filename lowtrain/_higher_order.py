@@ -1,0 +1,223 @@
+"""The interpreter core's rules for JAX's higher-order primitives.
+
+`jit` (inlined), `scan`, `while`, `cond`, `remat`, `custom_jvp_call` and
+`custom_vjp_call` hold sub-jaxprs. Each rule here evaluates those with the same
+interpreter and rebuilds the op through JAX's public API (`lax.scan`,
+`jax.checkpoint`, `jax.custom_vjp`, ...), so sub-programs are transformed, not bound
+unchanged, and a custom derivative stays custom: its rule is itself interpreted.
+
+A rule is `rule(interp, eqn, *invals) -> list of outvals`, where `interp` is the
+`lowtrain._interpret.Interpreter` evaluating the enclosing jaxpr. `RULES` is the
+fixed table `Interpreter.eval_jaxpr` consults. It is not a user extension point: a
+rule is tied to its primitive's parameters, which `tests/test_compat.py` checks
+against each JAX release; a new higher-order primitive gets its rule here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _compat
+from ._eqn import Eqn, type_of
+
+
+def _sub(interp, closed, scopes):
+    return functools.partial(interp.eval_jaxpr, closed, scopes=scopes)
+
+
+def _jit_rule(interp, eqn: Eqn, *args):
+    # Inlined, in the same trace and sharing its memo: a value used inside and outside
+    # an inner jit (jnp.var is one) is cast once. The outer program is jitted anyway,
+    # and XLA inlines nested jits, so nothing is lost.
+    return interp.eval_jaxpr(eqn.params["jaxpr"], args, eqn.scopes, memo=eqn.memo)
+
+
+def _remat_rule(interp, eqn: Eqn, *args):
+    run = _sub(interp, _compat.ClosedJaxpr(eqn.params["jaxpr"], ()), eqn.scopes)
+    fn = jax.checkpoint(
+        lambda *xs: run(xs),
+        prevent_cse=eqn.params["prevent_cse"],
+        policy=eqn.params["policy"],
+    )
+    return list(fn(*args))
+
+
+def _scan_rule(interp, eqn: Eqn, *args):
+    p, values = eqn.params, interp.values
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts, init, xs = (
+        args[:n_consts],
+        args[n_consts : n_consts + n_carry],
+        args[n_consts + n_carry :],
+    )
+    run = _sub(interp, p["jaxpr"], eqn.scopes)
+
+    # Scanned inputs are split into the part with the scanned axis and the rest (the
+    # scale of a `ScaledArray`), which is closed over.
+    split = [values.scan_split(x) for x in xs]
+    sliced, rests = [s for s, _ in split], [r for _, r in split]
+
+    def body(carry, x_slices):
+        x = [values.scan_merge(s, r) for s, r in zip(x_slices, rests)]
+        outs = run([*consts, *carry, *x])
+        return outs[:n_carry], outs[n_carry:]
+
+    # One slice of each scanned input, to find the carry types abstractly.
+    slice_types = [
+        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), type_of(s))
+        for s in sliced
+    ]
+    types = interp.fix_types(lambda c, x: body(c, x)[0], init, slice_types)
+
+    def typed_body(carry, x_slices):
+        new, ys = body(carry, x_slices)
+        return [interp.coerce(v, t) for v, t in zip(new, types)], [
+            values.scan_split(values.scan_output(y)) for y in ys
+        ]
+
+    init = [interp.coerce(v, t) for v, t in zip(init, types)]
+    carry, ys = lax.scan(
+        typed_body,
+        init,
+        sliced,
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
+    return [*carry, *(values.scan_stacked(s, r) for s, r in ys)]
+
+
+def _while_rule(interp, eqn: Eqn, *args):
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
+    run_cond = _sub(interp, p["cond_jaxpr"], eqn.scopes)
+    run_body = _sub(interp, p["body_jaxpr"], eqn.scopes)
+
+    def body(carry):
+        return run_body([*body_consts, *carry])
+
+    types = interp.fix_types(body, init)
+
+    def typed_body(carry):
+        return [interp.coerce(v, t) for v, t in zip(body(carry), types)]
+
+    def cond(carry):
+        (pred,) = run_cond([*cond_consts, *carry])
+        return pred
+
+    init = [interp.coerce(v, t) for v, t in zip(init, types)]
+    return list(lax.while_loop(cond, typed_body, init))
+
+
+def _cond_rule(interp, eqn: Eqn, index, *ops):
+    runs = [_sub(interp, br, eqn.scopes) for br in eqn.params["branches"]]
+    branch_types = [jax.eval_shape(lambda o, r=r: r(o), list(ops)) for r in runs]
+    types = [interp.join(ts) for ts in zip(*branch_types)]
+
+    def typed(run):
+        return lambda *o: [interp.coerce(v, t) for v, t in zip(run(o), types)]
+
+    return list(lax.switch(index, [typed(r) for r in runs], *ops))
+
+
+def _custom_jvp_rule(interp, eqn: Eqn, *args):
+    p, values = eqn.params, interp.values
+    n = p["num_consts"]
+    consts, primals = args[:n], args[n:]
+    run = _sub(interp, p["call_jaxpr"], eqn.scopes)
+    jvp_jaxpr, out_zeros = _compat.custom_jvp_rule_jaxpr(p, len(primals))
+    run_jvp = _sub(interp, jvp_jaxpr, eqn.scopes)
+
+    @jax.custom_jvp
+    def fn(*xs):
+        return run([*consts, *xs])
+
+    @fn.defjvp
+    def fn_jvp(xs, ts):
+        out_types = jax.eval_shape(lambda *a: run([*consts, *a]), *xs)
+        ts = [values.tangent_in(x, t) for x, t in zip(xs, ts)]
+        outs = run_jvp([*xs, *ts])
+        primal_outs, nz_tangents = outs[: len(out_zeros)], iter(outs[len(out_zeros) :])
+        primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
+        tangent_outs = [
+            _zeros_like(t)
+            if z
+            else interp.coerce(values.tangent_out(y, next(nz_tangents)), type_of(y))
+            for z, t, y in zip(out_zeros, out_types, primal_outs)
+        ]
+        return primal_outs, tangent_outs
+
+    return list(fn(*primals))
+
+
+def _custom_vjp_rule(interp, eqn: Eqn, *args):
+    p, values = eqn.params, interp.values
+    n = p["num_consts"]
+    consts, primals = args[:n], args[n:]
+    call_jaxpr = p["call_jaxpr"]
+    run = _sub(interp, call_jaxpr, eqn.scopes)
+    fwd_jaxpr, res_forwards, bwd = _compat.custom_vjp_rule_parts(p, len(primals))
+    run_fwd = _sub(interp, fwd_jaxpr, eqn.scopes)
+    n_res_out = len(fwd_jaxpr.out_avals) - len(call_jaxpr.out_avals)
+    # Trace the user's backward rule at the original types (as the forward was), then
+    # interpret that jaxpr on whatever types the transformed forward produced.
+    orig_primals = call_jaxpr.in_avals[n:]
+    res_avals, fwd_res = [], iter(fwd_jaxpr.out_avals[:n_res_out])
+    for i in res_forwards:
+        res_avals.append(orig_primals[i] if i is not None else next(fwd_res))
+    bwd_closed = jax.make_jaxpr(lambda *a: _instantiate(bwd(*a), orig_primals))(
+        *map(_struct, [*res_avals, *call_jaxpr.out_avals])
+    )
+    run_bwd = _sub(interp, bwd_closed, eqn.scopes)
+
+    in_types = [type_of(x) for x in primals]
+    out_types = jax.eval_shape(lambda *xs: run([*consts, *xs]), *primals)
+
+    @jax.custom_vjp
+    def fn(*xs):
+        return run([*consts, *xs])
+
+    def fn_fwd(*xs):
+        outs = run_fwd(list(xs))
+        res_out, primal_outs = iter(outs[:n_res_out]), outs[n_res_out:]
+        res = [xs[i] if i is not None else next(res_out) for i in res_forwards]
+        primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
+        return primal_outs, (res, values.vjp_saved(xs, primal_outs))
+
+    def fn_bwd(saved, cts):
+        res, extra = saved
+        cts_in = run_bwd([*res, *values.cotangents_in(extra, cts)])
+        cts_in = values.cotangents_out(extra, cts_in)
+        return tuple(interp.coerce(c, t) for c, t in zip(cts_in, in_types))
+
+    fn.defvjp(fn_fwd, fn_bwd)
+    return list(fn(*primals))
+
+
+def _struct(aval):
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def _zeros_like(type_):
+    return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), type_)
+
+
+def _instantiate(cts, avals):
+    return [jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(cts, avals)]
+
+
+# Maps each higher-order primitive to its rule (see the module docstring).
+RULES = {
+    _compat.jit_p: _jit_rule,
+    _compat.remat_p: _remat_rule,
+    _compat.scan_p: _scan_rule,
+    _compat.while_p: _while_rule,
+    _compat.cond_p: _cond_rule,
+    _compat.custom_jvp_call_p: _custom_jvp_rule,
+    _compat.custom_vjp_call_p: _custom_vjp_rule,
+}
