@@ -10,6 +10,7 @@ _checkout.install()  # `lowtrain.recipes` and `lowtrain.conf` from a checkout to
 
 from . import fp8 as fp8  # noqa: E402
 from . import scalify as scalify  # noqa: E402
+from . import train as train  # noqa: E402
 from ._amp import DEFAULT_RULES as DEFAULT_RULES  # noqa: E402
 from ._amp import Policy as Policy  # noqa: E402
 from ._amp import amp as amp  # noqa: E402
@@ -20,6 +21,7 @@ from ._loss_scale import NoOpLossScale as NoOpLossScale  # noqa: E402
 from ._loss_scale import StaticLossScale as StaticLossScale  # noqa: E402
 from ._loss_scale import all_finite as all_finite  # noqa: E402
 from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad  # noqa: E402
+from ._rewrite import rewrite as rewrite  # noqa: E402
 from .train import ArrayBatches as ArrayBatches  # noqa: E402
 from .train import StepInfo as StepInfo  # noqa: E402
 from .train import Trainer as Trainer  # noqa: E402

@@ -30,6 +30,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax import lax
 
@@ -236,3 +237,37 @@ def call_transformed(
 
     run.defvjp(run_fwd, run_bwd)
     return run(*closed.consts, *args)
+
+
+class FlatCall:
+    """`fn(*args, **kwargs)` as a function of its array leaves, for tracing to a jaxpr.
+
+    `inputs` are the array leaves of `(fn, args, kwargs)` (with `is_leaf`, whole
+    pytrees such as a `ScaledArray` count as one input); calling the object on
+    replacements for them runs `fn` and returns its output's array leaves, as a list;
+    `rebuild(leaves)` puts leaves back into the output's structure, its non-array
+    parts included. Call it (trace it) before `rebuild`.
+    """
+
+    def __init__(self, fn, args, kwargs, *, is_leaf=None):
+        self._is_input = lambda x: eqx.is_array(x) or bool(is_leaf and is_leaf(x))
+        leaves, self._treedef = jax.tree.flatten((fn, args, kwargs), is_leaf=is_leaf)
+        self._leaves = leaves
+        self._is_leaf = is_leaf
+        self.inputs = [x for x in leaves if self._is_input(x)]
+        self._out = None  # (the output's treedef, its non-array part)
+
+    def __call__(self, *xs) -> list:
+        it = iter(xs)
+        full = [next(it) if self._is_input(x) else x for x in self._leaves]
+        fn, args, kwargs = jax.tree.unflatten(self._treedef, full)
+        dynamic, static = eqx.partition(fn(*args, **kwargs), eqx.is_array)
+        leaves, treedef = jax.tree.flatten(dynamic)
+        self._out = (treedef, static)
+        return leaves
+
+    def rebuild(self, leaves) -> Any:
+        treedef, static = self._out
+        return eqx.combine(
+            jax.tree.unflatten(treedef, list(leaves)), static, is_leaf=self._is_leaf
+        )

@@ -1,10 +1,19 @@
-"""Jaxpr inspection helpers for the tests."""
+"""What several test files share: jaxpr inspection, tree comparison, small models
+and data for the Trainer tests, and one program with every higher-order primitive.
 
+The larger reference models (the GPT, the MLP) are the recipes' own:
+`lowtrain.recipes.gpt.GPT`, `lowtrain.recipes.mnist.MLP`.
+"""
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr
+
+import lowtrain
 
 
 def iter_eqns(jaxpr):
@@ -44,8 +53,6 @@ def tree_allclose(a, b, **kw):
 
 def make_jaxpr(fn):
     """`jax.make_jaxpr` that accepts Equinox modules (non-array leaves stay static)."""
-    import equinox as eqx
-
     return lambda *args: eqx.filter_make_jaxpr(fn)(*args)[0]
 
 
@@ -66,3 +73,46 @@ def higher_order_program(x):
     y = lax.cond(jnp.sum(y) > 0, lambda a: a, lambda a: -a, y)
     y = lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 1.5), (0, y))[1]
     return jax.checkpoint(jnp.exp)(y)
+
+
+# -- the Trainer tests' model and data ------------------------------------------
+
+# With momentum, so there is optimizer state to keep. (optax's adam computes
+# `b1 ** count` on f32 and int32, which strict dtype promotion refuses.)
+SGD = lambda lr: optax.sgd(lr, momentum=0.9)
+
+
+class Regression(lowtrain.Trainer):
+    """Only `loss`; its dropout uses the step key: resume must get keys right."""
+
+    def loss(self, model, batch, *, key):
+        x = eqx.nn.Dropout(0.1, inference=key is None)(batch["x"], key=key)
+        err = jax.vmap(model)(x) - batch["y"]
+        return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+
+def make_data(n=48, batch_size=8, seed=0):
+    x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+    y = np.stack([x.sum(1), x[:, 0] - x[:, 1]], 1)
+    return lowtrain.ArrayBatches({"x": x, "y": y}, batch_size, seed=seed)
+
+
+def make_model(width=16):
+    return eqx.nn.MLP(4, 2, width, 1, key=jax.random.key(0))
+
+
+def snapshot(tree):
+    """Host copies of every array (key data for PRNG keys): donation reuses buffers."""
+    out = []
+    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out.append(np.array(x, copy=True))
+    return out
+
+
+def same_bits(a, b):
+    return len(a) == len(b) and all(
+        x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+        for x, y in zip(a, b)
+    )

@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import lax
 
 from lowtrain import _compat
 

@@ -10,10 +10,13 @@ import pytest
 import lowtrain
 import lowtrain.fp8
 import lowtrain.scalify
+import lowtrain.train
+
+MODULES = (lowtrain, lowtrain.fp8, lowtrain.scalify, lowtrain.train)
 
 PUBLIC = [
     f"{module.__name__}.{name}"
-    for module in (lowtrain, lowtrain.fp8, lowtrain.scalify)
+    for module in MODULES
     for name in dir(module)
     if not name.startswith("_")
     and callable(getattr(module, name))
@@ -30,7 +33,7 @@ def _blocks(text):
 @pytest.mark.parametrize("name", PUBLIC)
 def test_public_docstring_example_runs(name):
     module, _, attr = name.rpartition(".")
-    modules = {m.__name__: m for m in (lowtrain, lowtrain.fp8, lowtrain.scalify)}
+    modules = {m.__name__: m for m in MODULES}
     obj = getattr(modules[module], attr)
     blocks = _blocks(obj.__doc__)
     assert blocks, f"`{name}` has no ```python example in its docstring."

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,49 +16,18 @@ import pytest
 import lowtrain
 import lowtrain.fp8
 
-from .helpers import eqns_of
+from .helpers import (
+    SGD,
+    Regression,
+    eqns_of,
+    make_data,
+    make_model,
+    same_bits,
+    snapshot,
+)
 
 F16, F32 = np.dtype("float16"), np.dtype("float32")
-# With momentum, so there is optimizer state to keep. (optax's adam computes
-# `b1 ** count` on f32 and int32, which strict dtype promotion refuses.)
-SGD = lambda lr: optax.sgd(lr, momentum=0.9)
 ROOT = pathlib.Path(__file__).parent.parent
-
-
-class Regression(lowtrain.Trainer):
-    """Only `loss`; its dropout uses the step key: resume must get keys right."""
-
-    def loss(self, model, batch, *, key):
-        x = eqx.nn.Dropout(0.1, inference=key is None)(batch["x"], key=key)
-        err = jax.vmap(model)(x) - batch["y"]
-        return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
-
-
-def make_data(n=48, batch_size=8, seed=0):
-    x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
-    y = np.stack([x.sum(1), x[:, 0] - x[:, 1]], 1)
-    return lowtrain.ArrayBatches({"x": x, "y": y}, batch_size, seed=seed)
-
-
-def make_model(width=16):
-    return eqx.nn.MLP(4, 2, width, 1, key=jax.random.key(0))
-
-
-def snapshot(tree):
-    """Host copies of every array (key data for PRNG keys): donation reuses buffers."""
-    out = []
-    for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
-        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            x = jax.random.key_data(x)
-        out.append(np.array(x, copy=True))
-    return out
-
-
-def same_bits(a, b):
-    return len(a) == len(b) and all(
-        x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-        for x, y in zip(a, b)
-    )
 
 
 def read_jsonl(path):
@@ -240,7 +208,7 @@ def test_killed_while_writing_keeps_previous_checkpoint(tmp_path):
         import lowtrain
         from lowtrain.train import _checkpoint
         sys.path.insert(0, ".")
-        from tests.test_trainer import SGD, Regression, make_data, make_model
+        from tests.helpers import SGD, Regression, make_data, make_model
 
         real, calls = _checkpoint._write_file, []
 
@@ -411,7 +379,7 @@ DATA_PARALLEL = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np, optax
 sys.path.insert(0, ".")
-from tests.test_trainer import SGD, Regression, make_data, make_model
+from tests.helpers import SGD, Regression, make_data, make_model
 
 assert len(jax.devices()) == 4
 data = make_data()
@@ -475,10 +443,10 @@ def test_fp8_delayed_scaling_state_flows_through_the_step():
 
 
 @pytest.mark.parametrize("compute", ["float16", "bfloat16"])
-def test_scalify_transform_trains(compute):
+def test_scalify_precision_trains(compute):
     policy = lowtrain.Policy("float32", compute, "float32")
     trainer = Regression(
-        make_model(), optax.adam(3e-3), policy=policy, transform="scalify"
+        make_model(), optax.adam(3e-3), precision=lowtrain.train.Scalify(policy)
     )
     ref = Regression(make_model(), optax.adam(3e-3))
     data = make_data()

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._compat import COMBINER_PRIMITIVES
-from .._interpret import SCATTERS, Eqn, Interpreter, call_transformed
+from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
 
@@ -180,26 +180,17 @@ def _cast_floats(leaves, dtype):
 def _amp_call(fn, policy: Policy, args, kwargs):
     # Traced once per input structure (filter_jit's cache): the program is traced at the
     # dtypes it was written for, then re-interpreted under the policy.
-    dynamic, static = eqx.partition((fn, args, kwargs), eqx.is_array)
-    leaves, in_tree = jax.tree.flatten(dynamic)
-    out_meta = {}
-
-    def flat_fn(*xs):
-        f, a, k = eqx.combine(jax.tree.unflatten(in_tree, xs), static)
-        out_dynamic, out_meta["static"] = eqx.partition(f(*a, **k), eqx.is_array)
-        out_leaves, out_meta["tree"] = jax.tree.flatten(out_dynamic)
-        return out_leaves
-
+    call = FlatCall(fn, args, kwargs)
     remat = _save_half(policy.compute_dtype) if policy.residuals == "half" else None
     outs = call_transformed(
         _AmpInterpreter(policy),
-        flat_fn,
-        leaves,
+        call,
+        call.inputs,
         enter=lambda xs: _cast_floats(xs, policy.compute_dtype),
         leave=lambda outs: _cast_floats(outs, policy.output_dtype),
         remat_policy=remat,
     )
-    return eqx.combine(jax.tree.unflatten(out_meta["tree"], outs), out_meta["static"])
+    return call.rebuild(outs)
 
 
 class _Amp(eqx.Module):

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._eqn import Eqn, Values
-from .._interpret import Interpreter
+from .._interpret import FlatCall, Interpreter
 from . import _ops  # noqa: F401  (registers the rule of the scalify_op primitive)
 from ._rules import RULES, Ctx, scaled, value
 from ._scaled_array import POW2_MODES, ScaledArray, is_scaled
@@ -152,23 +152,10 @@ def _abstract(x):
 
 @eqx.filter_jit
 def _scalify_call(fn, pow2, args, kwargs):
-    leaves, treedef = jax.tree.flatten((fn, args, kwargs), is_leaf=is_scaled)
-    dynamic = [eqx.is_array(x) or is_scaled(x) for x in leaves]
-    out_meta = {}
-
-    def flat_fn(*xs):
-        it = iter(xs)
-        full = [next(it) if d else x for x, d in zip(leaves, dynamic)]
-        f, a, k = jax.tree.unflatten(treedef, full)
-        out_dynamic, out_meta["static"] = eqx.partition(f(*a, **k), eqx.is_array)
-        out_leaves, out_meta["tree"] = jax.tree.flatten(out_dynamic)
-        return out_leaves
-
-    inputs = [x for x, d in zip(leaves, dynamic) if d]
-    closed = jax.make_jaxpr(flat_fn)(*map(_abstract, inputs))
-    outs = [_merged(v) for v in _ScalifyInterpreter(pow2).eval_jaxpr(closed, inputs)]
-    outs = jax.tree.unflatten(out_meta["tree"], outs)
-    return eqx.combine(outs, out_meta["static"], is_leaf=is_scaled)
+    call = FlatCall(fn, args, kwargs, is_leaf=is_scaled)
+    closed = jax.make_jaxpr(call)(*map(_abstract, call.inputs))
+    outs = _ScalifyInterpreter(pow2).eval_jaxpr(closed, call.inputs)
+    return call.rebuild([_merged(v) for v in outs])
 
 
 class _Scalify(eqx.Module):

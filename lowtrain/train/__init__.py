@@ -1,9 +1,16 @@
-"""Training: `TrainState`, `Trainer` and its loop, checkpoints, batches."""
+"""Training: `TrainState`, `Trainer` and its loop, the `Precision` protocol and its
+implementations, checkpoints, batches."""
 
 from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._data import ArrayBatches as ArrayBatches
 from ._hooks import StepInfo as StepInfo
+from ._precision import Chain as Chain
+from ._precision import Precision as Precision
+from ._precisions import Amp as Amp
+from ._precisions import DelayedFp8 as DelayedFp8
+from ._precisions import Rewrite as Rewrite
+from ._precisions import Scalify as Scalify
 from ._state import TrainState as TrainState
 from ._trainer import Trainer as Trainer

@@ -1,4 +1,6 @@
-"""`Trainer.fit`: the training loop, with logging, evaluation and checkpoints."""
+"""What `Trainer.fit` needs besides its loop: its arguments validated into a `FitPlan`
+(what happens at which step), the non-finite loss check, `StepInfo`s and metric
+records."""
 
 from __future__ import annotations
 
@@ -7,23 +9,16 @@ import math
 import pathlib
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import numpy as np
 from jaxtyping import PyTree
-from tqdm import tqdm
 
 from .._loss_scale import NoOpLossScale
-from ._checkpoint import (
-    checkpoint_path,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    prune_checkpoints,
-    save_checkpoint,
-)
+from ._checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from ._hooks import StepInfo
-from ._metrics import JsonlWriter, learning_rate
+from ._metrics import learning_rate
 from ._state import TrainState
 
 
@@ -35,7 +30,7 @@ def _positive_int(value, what: str, *, optional: bool = True) -> int | None:
     return value
 
 
-def _check_loss(step: int, loss) -> None:
+def check_loss(step: int, loss) -> None:
     value = float(loss)
     if not math.isfinite(value):
         raise FloatingPointError(
@@ -54,52 +49,54 @@ def _batch_size(batch: PyTree) -> int:
     return int(np.shape(leaves[0])[0]) if leaves else 0
 
 
-def fit(
-    self,
-    state: TrainState,
-    data: Callable[[int], PyTree],
-    *,
-    steps: int | None = None,
-    epochs: int | None = None,
-    eval_data: Iterable[PyTree] | None = None,
-    eval_every: int | None = None,
-    log_every: int = 50,
-    metrics_file=None,
-    checkpoint_dir=None,
-    checkpoint_every: int | None = None,
-    keep_checkpoints: int = 3,
-    resume: bool = False,
-    progress: bool = True,
-) -> TrainState:
-    """Train from `state` until `state.step == steps`, and return the new state.
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """`Trainer.fit`'s arguments, checked: the last step and what happens when.
 
-    Nothing is done if `state.step >= steps` already (after `resume`, say).
-
-    - `data(step) -> batch` gives the batch of each step (a function of the step, so a
-      resumed run sees the same batches; `lowtrain.ArrayBatches` is one). With
-      `epochs=E` instead of `steps`, `steps = E * data.steps_per_epoch`.
-    - `state` is consumed: its buffers are donated to the compiled step.
-    - Every `log_every` steps and at the last step: the progress bar (tqdm, on
-      stderr; `progress=False` turns it off) shows the loss and loss scale next to
-      its steps/s, and if `metrics_file` is given one JSON line is appended to it
-      with `step`, `loss`, `loss_scale`, `skipped`, `grad_norm`, `learning_rate`,
-      `steps_per_second`, `examples_per_second`, the scalars of a dict `aux`, and
-      `eval_<name>` when it evaluated (the fields of `lowtrain.StepInfo`).
-    - Every `eval_every` steps and at the last step, if `eval_data` (an iterable of
-      batches, iterated once each time) is given: `run_evaluation`.
-    - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir` is
-      given: the full `TrainState` is written atomically to
-      `checkpoint_dir/ckpt_<step>.lowtrain` (8 digits), keeping the newest
-      `keep_checkpoints`. In a multi-process run, process 0 writes.
-    - `resume=True` loads the newest checkpoint in `checkpoint_dir` into `state`'s
-      structure if there is one (refusing a corrupt or mismatched file), and goes on
-      from its step exactly: same batches, same keys, same loss scale. Without
-      `resume`, a `checkpoint_dir` that already holds checkpoints is an error.
-    - Hooks run after the above, in the order added.
-    - With `stop_on_nonfinite`, a non-finite loss raises `FloatingPointError`. It is
-      checked one step late, so the device never waits for it, except at steps that
-      log, evaluate, run hooks or write a checkpoint, where it is checked first.
+    `log_at(step)`, `eval_at(step)`, `save_at(step)` say whether `fit` logs,
+    evaluates or writes a checkpoint after the step that makes `state.step == step`
+    (always after the last one, when there is anything to do it with).
     """
+
+    total: int
+    log_every: int | None
+    eval_every: int | None
+    eval_data: Iterable[PyTree] | None
+    checkpoint_every: int | None
+    checkpoint_dir: pathlib.Path | None
+    keep_checkpoints: int
+
+    def log_at(self, step: int) -> bool:
+        return bool(self.log_every and step % self.log_every == 0) or step == self.total
+
+    def eval_at(self, step: int) -> bool:
+        if self.eval_data is None:
+            return False
+        every = bool(self.eval_every and step % self.eval_every == 0)
+        return every or step == self.total
+
+    def save_at(self, step: int) -> bool:
+        if self.checkpoint_dir is None:
+            return False
+        every = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+        return every or step == self.total
+
+
+def plan_fit(
+    state: Any,
+    data: Any,
+    *,
+    steps,
+    epochs,
+    eval_data,
+    eval_every,
+    log_every,
+    checkpoint_dir,
+    checkpoint_every,
+    keep_checkpoints,
+    resume,
+) -> FitPlan:
+    """Check `Trainer.fit`'s arguments (see there) and return its `FitPlan`."""
     if not callable(data):
         raise TypeError(
             "Expected `data` to be a function of the step, `data(step) -> batch` "
@@ -137,81 +134,39 @@ def fit(
             "Expected a `checkpoint_dir` with `checkpoint_every` or `resume`, got "
             "None instead."
         )
-    ckpt_dir = None if checkpoint_dir is None else pathlib.Path(checkpoint_dir)
-    if ckpt_dir is not None:
-        latest = latest_checkpoint(ckpt_dir)
-        if latest is not None and resume:
-            state = load_checkpoint(latest, state)
-        elif latest is not None:
-            raise ValueError(
-                f"Expected an empty `checkpoint_dir` for a new run, got "
-                f"{len(list_checkpoints(ckpt_dir))} checkpoints in {ckpt_dir} "
-                "instead. Pass `resume=True` to continue that run, or use another "
-                "directory."
-            )
-    start = int(state.step)
-    is_main = jax.process_index() == 0
-    writer = JsonlWriter(metrics_file) if metrics_file and is_main else None
-    bar = tqdm(
+    return FitPlan(
         total=total,
-        initial=min(start, total),
-        disable=not (progress and is_main),  # one bar per run, not per process
-        unit="step",
+        log_every=log_every,
+        eval_every=eval_every,
+        eval_data=eval_data,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=None if checkpoint_dir is None else pathlib.Path(checkpoint_dir),
+        keep_checkpoints=keep_checkpoints,
     )
-    clock = (start, time.perf_counter())  # (step, time) the throughput window began
-    pending = None  # (step, loss) not yet checked by stop_on_nonfinite
-    try:
-        for s in range(start, total):
-            batch = self.shard_batch(data(s))
-            state, metrics = self.compiled_step(batch, state)
-            done = s + 1
-            bar.update(1)
-            last = done == total
-            hooks = [h for h in self.hooks if done % h.every == 0]
-            log_now = bool(log_every and done % log_every == 0) or last
-            eval_now = eval_data is not None and (
-                bool(eval_every and done % eval_every == 0) or last
-            )
-            save_now = ckpt_dir is not None and (
-                bool(checkpoint_every and done % checkpoint_every == 0) or last
-            )
-            sync = bool(hooks) or log_now or eval_now or save_now
-            if self.stop_on_nonfinite:
-                if pending is not None:
-                    _check_loss(*pending)
-                pending = (s, metrics["loss"])
-                if sync:  # we wait for the device here anyway
-                    _check_loss(*pending)
-                    pending = None
-            if not sync:
-                continue
-            if hooks or log_now or eval_now:
-                info = _step_info(self, state, metrics, batch, clock, done)
-                if eval_now:
-                    results = self.run_evaluation(state, eval_data)
-                    info = dataclasses.replace(info, eval=results)
-                if log_now or eval_now:
-                    bar.set_postfix(
-                        loss=f"{info.loss:.4g}", scale=f"{info.loss_scale:g}"
-                    )
-                    if writer is not None:
-                        writer.write(_record(info))
-                for hook in hooks:
-                    hook.fn(info)
-            if save_now and is_main:
-                save_checkpoint(checkpoint_path(ckpt_dir, done), state)
-                prune_checkpoints(ckpt_dir, keep_checkpoints)
-            clock = (done, time.perf_counter())  # not counting logs, evals, saves
-        if pending is not None:
-            _check_loss(*pending)
-    finally:
-        bar.close()
-        if writer is not None:
-            writer.close()
+
+
+def resume_or_check_empty(state, plan: FitPlan, resume: bool):
+    """The state to start from: the newest checkpoint in `plan.checkpoint_dir` if
+    `resume` (and there is one), else `state`; a directory that holds checkpoints
+    without `resume` is an error."""
+    ckpt_dir = plan.checkpoint_dir
+    if ckpt_dir is None:
+        return state
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is not None and resume:
+        return load_checkpoint(latest, state)
+    if latest is not None:
+        raise ValueError(
+            f"Expected an empty `checkpoint_dir` for a new run, got "
+            f"{len(list_checkpoints(ckpt_dir))} checkpoints in {ckpt_dir} "
+            "instead. Pass `resume=True` to continue that run, or use another "
+            "directory."
+        )
     return state
 
 
-def _step_info(self, state, metrics, batch, clock, done) -> StepInfo:
+def step_info(trainer, state, metrics, batch, clock, done) -> StepInfo:
+    """The `StepInfo` after step `done` (`clock`: the window's `(step, time)`)."""
     loss = float(metrics["loss"])  # waits for the step to finish
     elapsed = max(time.perf_counter() - clock[1], 1e-12)
     steps_per_second = (done - clock[0]) / elapsed
@@ -229,14 +184,15 @@ def _step_info(self, state, metrics, batch, clock, done) -> StepInfo:
         skipped=skipped,
         grad_norm=float(metrics["grad_norm"]),
         learning_rate=learning_rate(
-            state.opt_state, self.learning_rate, done - skipped
+            state.opt_state, trainer.learning_rate, done - skipped
         ),
         steps_per_second=steps_per_second,
         examples_per_second=steps_per_second * _batch_size(batch),
     )
 
 
-def _record(info: StepInfo) -> dict:
+def record(info: StepInfo) -> dict:
+    """The line of the metrics file for `info`."""
     record = {
         name: getattr(info, name)
         for name in (
@@ -257,3 +213,22 @@ def _record(info: StepInfo) -> dict:
     for name, value in (info.eval or {}).items():
         record[f"eval_{name}"] = value
     return record
+
+
+def mean_metrics(evaluate: Callable[[PyTree], dict], data: Iterable[PyTree]) -> dict:
+    """The mean of each metric `evaluate(batch)` returns over the batches of `data`."""
+    totals: dict[str, float] = {}
+    count = 0
+    for batch in data:
+        metrics = evaluate(batch)
+        if not isinstance(metrics, dict):
+            raise TypeError(
+                "Expected `evaluate` to return a dict of scalars such as "
+                f"{{'loss': loss}}, got {type(metrics).__name__} instead."
+            )
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+        count += 1
+    if not count:
+        raise ValueError("Expected at least one batch in the eval data, got none.")
+    return {name: total / count for name, total in totals.items()}

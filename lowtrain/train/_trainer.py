@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -11,21 +13,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray, PyTree
+from tqdm import tqdm
 
-from .. import fp8, scalify
-from .._amp import Policy, amp, get_policy
-from .._loss_scale import (
-    DynamicLossScale,
-    NoOpLossScale,
-    _LossScale,
-    scaled_value_and_grad,
+from .._amp import Policy
+from .._loss_scale import NoOpLossScale, _LossScale, scaled_value_and_grad
+from ._checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+from ._fit import (
+    check_loss,
+    mean_metrics,
+    plan_fit,
+    record,
+    resume_or_check_empty,
+    step_info,
 )
-from ._fit import fit as _fit
 from ._hooks import Hook, StepInfo
-from ._metrics import global_norm
+from ._metrics import JsonlWriter, global_norm
+from ._placement import put_replicated, replicated, shard_batch
+from ._precision import Precision
+from ._precisions import resolve
 from ._state import TrainState
 
 # `optax.apply_if_finite` applies an update anyway after this many non-finite ones in
@@ -33,27 +40,21 @@ from ._state import TrainState
 _NEVER = int(np.iinfo(np.int32).max)
 
 
-def _is_fp32(policy: Policy) -> bool:
-    return policy == get_policy("fp32")
-
-
 class Trainer:
     """Trains an Equinox model with an Optax optimizer; subclass it and define `loss`.
 
-    Construction: `Trainer(model, optimizer, *, policy="fp32", loss_scale=None,
-    redo_on_nan=0, stop_on_nonfinite=None, learning_rate=None, devices=None)`.
-
-    - `policy`: a `lowtrain.Policy` or a name ("fp32", "bf16", "fp16", ...). The
-      model's float arrays are stored in `policy.param_dtype`. Unless the policy is
-      "fp32", `loss` and `evaluate` receive `lowtrain.amp(model, policy)`: call it
-      as you would call the model (its forward and backward run in the policy's
-      precision, its float outputs come back in `policy.output_dtype`, so the loss
-      itself is computed in float32 with the presets); `model.__wrapped__` is the
-      model itself. A model that is not callable needs the "fp32" policy and `amp`
-      applied inside `loss`.
-    - `loss_scale`: default `DynamicLossScale()` if the policy computes in float16,
-      else `NoOpLossScale()`. `redo_on_nan` is passed to
-      `lowtrain.scaled_value_and_grad`.
+    - `precision`: a `lowtrain.train.Precision` (`Amp`, `Scalify`, `DelayedFp8`,
+      `Rewrite`, your own) or a list of them (chained): `self.precision`, whose
+      hooks the step calls. A policy instead (`policy=` or `precision=`, a
+      `lowtrain.Policy` or a name: "fp32", the default, "bf16", "fp16", "fp8", ...)
+      means `[Amp(policy), DelayedFp8()]`: parameters stored in `param_dtype`, and
+      unless the policy is "fp32", `loss` and `evaluate` receive
+      `lowtrain.amp(model, policy)`, called as the model is (float outputs in
+      `output_dtype`; `model.__wrapped__` is the model). A model that is not
+      callable needs "fp32" and `amp` applied inside `loss`.
+    - `loss_scale`: default the precision's `default_loss_scale()`
+      (`DynamicLossScale()` if an `Amp` policy computes in float16), else
+      `NoOpLossScale()`. `redo_on_nan` is passed to `lowtrain.scaled_value_and_grad`.
     - The optimizer is wrapped in `optax.apply_if_finite` (that is `self.optimizer`):
       a step whose gradients are not all finite leaves the model and the optimizer
       state bit for bit unchanged and counts in `state.skipped` (only the loss scale
@@ -62,10 +63,7 @@ class Trainer:
       `NoOpLossScale`): `fit` raises `FloatingPointError` on a non-finite loss.
     - `learning_rate`: a number or an Optax schedule, only for logging, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
-    - `transform`: "amp" (the default, as above) or "scalify": the whole step, the
-      optimizer included, runs under `lowtrain.scalify.scalify`, the weights stored
-      as `ScaledArray`s of the policy's compute dtype and the optimizer state as
-      float32 `ScaledArray`s; `loss` gets the model itself (no loss scale needed).
+    - `transform` (deprecated): "scalify" meant `precision=Scalify(policy)`.
     - `devices`: data parallelism over these devices (default `jax.devices()`, all
       devices of all processes): a 1-D `Mesh` named "data"; each batch is split along
       its leading axis, which must divide by the number of devices; the state is
@@ -109,13 +107,14 @@ class Trainer:
         model: PyTree,
         optimizer: optax.GradientTransformation,
         *,
-        policy: Policy | str = "fp32",
+        precision: Precision | Sequence[Precision] | Policy | str | None = None,
+        policy: Policy | str | None = None,
         loss_scale: _LossScale | None = None,
         redo_on_nan: int = 0,
         stop_on_nonfinite: bool | None = None,
         learning_rate: Callable[[Any], Any] | float | None = None,
         devices: Sequence[jax.Device] | None = None,
-        transform: str = "amp",
+        transform: str | None = None,
     ):
         if type(self).loss is Trainer.loss:
             raise TypeError(
@@ -129,21 +128,9 @@ class Trainer:
                 "Expected an Optax optimizer such as `optax.adam(1e-3)`, got "
                 f"{type(optimizer).__name__} instead."
             )
-        self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        if not isinstance(self.policy, Policy):
-            raise TypeError(
-                "Expected a `lowtrain.Policy` or a policy name such as 'bf16', got "
-                f"{type(policy).__name__} instead."
-            )
-        if transform not in ("amp", "scalify"):
-            raise ValueError(
-                f"Expected `transform` 'amp' or 'scalify', got {transform!r} instead."
-            )
-        self.transform = transform
+        self.precision = resolve(precision, policy, transform)
         if loss_scale is None:
-            half = self.policy.compute_dtype == jnp.float16
-            scaled = transform == "amp" and half
-            loss_scale = DynamicLossScale() if scaled else NoOpLossScale()
+            loss_scale = self.precision.default_loss_scale() or NoOpLossScale()
         if not isinstance(loss_scale, _LossScale):
             raise TypeError(
                 "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
@@ -173,10 +160,10 @@ class Trainer:
     def loss(self, model: PyTree, batch: PyTree, *, key: PRNGKeyArray | None) -> Any:
         """The loss of `model` on `batch`: a float scalar, or `(loss, aux)`.
 
-        `model` is `self.policy_model(state.model)` (see the class docstring).
-        `key` is this step's PRNG key (`jax.random.fold_in(state.key, state.step)`),
-        or None from the default `evaluate`: use `key is None` to turn dropout off.
-        A dict `aux` of scalars is logged next to the loss.
+        `model` is `self.precision.wrap_model(state.model)` (see the class
+        docstring). `key` is this step's PRNG key (`jax.random.fold_in(state.key,
+        state.step)`), or None from the default `evaluate`: use `key is None` to turn
+        dropout off. A dict `aux` of scalars is logged next to the loss.
         """
         raise NotImplementedError
 
@@ -193,37 +180,30 @@ class Trainer:
         """One step: returns the new state and metrics (traced once, under `jit`).
 
         The metrics are `loss` (f32), `aux`, `grad_norm` (f32) and `grads_finite`.
+        The precision's hooks run in the order `Precision` lists them.
         """
-        key = jax.random.fold_in(state.key, state.step)
+        p = self.precision
         value_and_grad = scaled_value_and_grad(
             self._loss_with_aux, has_aux=True, redo_on_nan=self.redo_on_nan
         )
+        key = jax.random.fold_in(state.key, state.step)
         ((loss, aux), grads), loss_scale, finite = value_and_grad(
-            state.loss_scale, state.model, batch, key=key
+            state.loss_scale, state.model, p.inputs(batch), key=key
         )
-        # FP8 delayed-scaling state comes back as its own "gradient": keep it away from
-        # the optimizer, and write it into the new model as it is.
-        grads, fp8_scales = fp8.pop_scales(grads)
+        grads, extra = p.split_gradients(grads)
         params = eqx.filter(state.model, eqx.is_inexact_array)
-        if self.transform == "scalify":
-            # The optimizer's arithmetic in float32 (Adam squares the gradients), its
-            # updates cast back to the weights' dtype (scales are kept).
-            f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
-            updates, opt_state = self.optimizer.update(
-                f32(grads), state.opt_state, f32(params)
-            )
-            updates = jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
-        else:
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, params)
-        new_model = eqx.apply_updates(state.model, updates)
+        updates, opt_state = self.optimizer.update(
+            p.to_optimizer(grads), state.opt_state, p.to_optimizer(params)
+        )
+        updates = p.from_optimizer(updates, params)
         # apply_if_finite adds zero updates on a skipped step; `where` also keeps the
         # bits (p + 0.0 would turn -0.0 into +0.0).
         model = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old) if eqx.is_array(new) else new,
-            new_model,
+            eqx.apply_updates(state.model, updates),
             state.model,
         )
-        model = fp8.put_scales(model, fp8_scales)
+        model = p.merge(model, extra)
         new_state = TrainState(state.step + 1, model, opt_state, loss_scale, state.key)
         metrics = {
             "loss": loss,
@@ -231,7 +211,7 @@ class Trainer:
             "grad_norm": global_norm(grads),
             "grads_finite": finite,
         }
-        return self._replicated(new_state), metrics
+        return replicated(self.mesh, new_state), metrics
 
     # -- hooks -------------------------------------------------------------------
 
@@ -249,35 +229,17 @@ class Trainer:
     def init(self, *, key: PRNGKeyArray) -> TrainState:
         """A fresh `TrainState` (step 0) for `self.model`, replicated on `devices`.
 
-        The model's float arrays are cast to `policy.param_dtype` and copied, so the
-        model given to the constructor is never donated.
+        The model's parameters are cast by the precision (`cast_params`) and copied,
+        so the model given to the constructor is never donated; the optimizer state
+        is initialised on them; both are then stored as the precision carries them.
         """
-        model = self.policy.cast_to_param(self.model)
+        model = self.precision.cast_params(self.model)
         opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-        if self.transform == "scalify":
-            # Master weights as ScaledArrays of the compute dtype; optimizer state as
-            # float32 ScaledArrays (moments of small gradients need the range).
-            model = scalify.as_scaled_array(model, dtype=self.policy.compute_dtype)
-            opt_state = scalify.as_scaled_array(opt_state)
+        model, opt_state = self.precision.store(model, opt_state)
         state = TrainState(
             jnp.zeros((), jnp.int32), model, opt_state, self.loss_scale, key
         )
-        dynamic, static = eqx.partition(state, eqx.is_array)
-        dynamic = jax.device_put(
-            dynamic, NamedSharding(self.mesh, P()), may_alias=False
-        )
-        return eqx.combine(dynamic, static)
-
-    def _replicated(self, tree):
-        sharding = NamedSharding(self.mesh, P())
-        return jax.tree.map(
-            lambda x: (
-                jax.lax.with_sharding_constraint(x, sharding)
-                if isinstance(x, jax.Array)
-                else x
-            ),
-            tree,
-        )
+        return put_replicated(self.mesh, state)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Place `batch` on the devices, split along its leading axis.
@@ -285,95 +247,153 @@ class Trainer:
         In a multi-process run each process passes its own part of the global batch
         (`jax.make_array_from_process_local_data`).
         """
-        local = [d for d in self.devices if d.process_index == jax.process_index()]
-        for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-            shape = np.shape(x)
-            if not shape or shape[0] % len(local):
-                raise ValueError(
-                    f"Expected every batch array's leading axis to divide by the "
-                    f"number of devices ({len(local)}), got shape {shape} at "
-                    f"`batch{jax.tree_util.keystr(path)}` instead. Use a batch size "
-                    f"that is a multiple of {len(local)}, or pass "
-                    "`devices=jax.devices()[:n]` to the Trainer."
-                )
-        sharding = NamedSharding(self.mesh, P("data"))
-        if jax.process_count() == 1:
-            return jax.device_put(batch, sharding)
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
-            batch,
-        )
-
-    def policy_model(self, model: PyTree) -> PyTree:
-        """`model` as `loss` and `evaluate` receive it: `lowtrain.amp(model, policy)`,
-        or `model` itself under the "fp32" policy or the scalify transform."""
-        if _is_fp32(self.policy) or self.transform == "scalify":
-            return model
-        return amp(model, self.policy)
-
-    def _inputs(self, batch: PyTree) -> PyTree:
-        # Under scalify the model computes in its weights' dtype: float inputs are
-        # cast to it, as `amp` casts them on entry.
-        if self.transform == "scalify":
-            return self.policy.cast_to_compute(batch)
-        return batch
-
-    def _transformed(self, fn: Callable) -> Callable:
-        # transform="scalify": the whole step (forward, gradient, optimizer) runs under
-        # `lowtrain.scalify.scalify`; metrics come back as plain float32 arrays.
-        if self.transform != "scalify":
-            return fn
-        scaled = scalify.scalify(fn)
-
-        def run(*args):
-            out = scaled(*args)
-            if isinstance(out, tuple):  # (state, metrics)
-                return out[0], scalify.asarray(out[1], jnp.float32)
-            return scalify.asarray(out, jnp.float32)
-
-        return run
+        return shard_batch(self.devices, self.mesh, batch)
 
     def _loss_with_aux(self, model, batch, *, key):
-        out = self.loss(self.policy_model(model), batch, key=key)
+        out = self.loss(self.precision.wrap_model(model), batch, key=key)
         return out if isinstance(out, tuple) else (out, None)
 
     @functools.cached_property
     def compiled_step(self) -> Callable:
-        """`train_step` under `eqx.filter_jit`, built once, called as
-        `compiled_step(batch, state)`: every array of `state` is donated (its buffers
-        are reused for the new state), the batch is not."""
-
-        step = self._transformed(
-            lambda batch, state: self.train_step(state, self._inputs(batch))
-        )
-        return eqx.filter_jit(step, donate="all-except-first")
+        """`train_step` under the precision's `wrap_step` and `eqx.filter_jit`,
+        built once, called as `compiled_step(batch, state)`: every array of `state`
+        is donated (its buffers are reused for the new state), the batch is not."""
+        step = lambda batch, state: self.train_step(state, batch)
+        return eqx.filter_jit(self.precision.wrap_step(step), donate="all-except-first")
 
     @functools.cached_property
     def _compiled_eval(self) -> Callable:
-        def run(model, batch):
-            return self.evaluate(self.policy_model(model), self._inputs(batch))
+        p = self.precision
 
-        return eqx.filter_jit(self._transformed(run))
+        def run(model, batch):
+            return None, self.evaluate(p.wrap_model(model), p.inputs(batch))
+
+        return eqx.filter_jit(p.wrap_step(run))
 
     def run_evaluation(self, state: TrainState, data: Iterable[PyTree]) -> dict:
         """The mean of each `evaluate` metric over the batches of `data`, as floats.
 
         `data` is iterated once (an `ArrayBatches` gives one epoch in order).
         """
-        totals: dict[str, float] = {}
-        count = 0
-        for batch in data:
-            metrics = self._compiled_eval(state.model, self.shard_batch(batch))
-            if not isinstance(metrics, dict):
-                raise TypeError(
-                    "Expected `evaluate` to return a dict of scalars such as "
-                    f"{{'loss': loss}}, got {type(metrics).__name__} instead."
-                )
-            for name, value in metrics.items():
-                totals[name] = totals.get(name, 0.0) + float(value)
-            count += 1
-        if not count:
-            raise ValueError("Expected at least one batch in the eval data, got none.")
-        return {name: total / count for name, total in totals.items()}
+        return mean_metrics(
+            lambda batch: self._compiled_eval(state.model, self.shard_batch(batch))[1],
+            data,
+        )
 
-    fit = _fit
+    # -- the loop ----------------------------------------------------------------
+
+    def fit(
+        self,
+        state: TrainState,
+        data: Callable[[int], PyTree],
+        *,
+        steps: int | None = None,
+        epochs: int | None = None,
+        eval_data: Iterable[PyTree] | None = None,
+        eval_every: int | None = None,
+        log_every: int = 50,
+        metrics_file=None,
+        checkpoint_dir=None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        resume: bool = False,
+        progress: bool = True,
+    ) -> TrainState:
+        """Train from `state` until `state.step == steps`, and return the new state.
+
+        Nothing is done if `state.step >= steps` already (after `resume`, say).
+
+        - `data(step) -> batch` gives the batch of each step (a function of the step,
+          so a resumed run sees the same batches; `lowtrain.ArrayBatches` is one).
+          With `epochs=E` instead of `steps`, `steps = E * data.steps_per_epoch`.
+        - `state` is consumed: its buffers are donated to the compiled step.
+        - Every `log_every` steps and at the last step: the progress bar (tqdm, on
+          stderr; `progress=False` turns it off) shows the loss and loss scale, and
+          if `metrics_file` is given one JSON line is appended to it: the fields of
+          `lowtrain.StepInfo` (`step`, `loss`, `loss_scale`, `skipped`, ...), the
+          scalars of a dict `aux`, and `eval_<name>` when it evaluated.
+        - Every `eval_every` steps and at the last step, if `eval_data` (an
+          iterable of batches, iterated once each time) is given: `run_evaluation`.
+        - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir`
+          is given: the full `TrainState` is written atomically to
+          `checkpoint_dir/ckpt_<step>.lowtrain` (8 digits), keeping the newest
+          `keep_checkpoints`. In a multi-process run, process 0 writes.
+        - `resume=True` loads the newest checkpoint in `checkpoint_dir` into
+          `state`'s structure if there is one (refusing a corrupt or mismatched
+          file), and goes on from its step exactly: same batches, same keys, same
+          loss scale. Without `resume`, a `checkpoint_dir` that already holds
+          checkpoints is an error.
+        - Hooks run after the above, in the order added.
+        - With `stop_on_nonfinite`, a non-finite loss raises `FloatingPointError`.
+          It is checked one step late, so the device never waits for it, except at
+          steps that log, evaluate, run hooks or write a checkpoint, where it is
+          checked first.
+        """
+        plan = plan_fit(
+            state,
+            data,
+            steps=steps,
+            epochs=epochs,
+            eval_data=eval_data,
+            eval_every=eval_every,
+            log_every=log_every,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            resume=resume,
+        )
+        state = resume_or_check_empty(state, plan, resume)
+        start, is_main = int(state.step), jax.process_index() == 0
+        writer = JsonlWriter(metrics_file) if metrics_file and is_main else None
+        bar = tqdm(
+            total=plan.total,
+            initial=min(start, plan.total),
+            disable=not (progress and is_main),  # one bar per run, not per process
+            unit="step",
+        )
+        clock = (start, time.perf_counter())  # (step, time) the throughput window began
+        pending = None  # (step, loss) not yet checked by stop_on_nonfinite
+        try:
+            for s in range(start, plan.total):
+                batch = self.shard_batch(data(s))
+                state, metrics = self.compiled_step(batch, state)
+                done = s + 1
+                bar.update(1)
+                hooks = [h for h in self.hooks if done % h.every == 0]
+                log_now, eval_now = plan.log_at(done), plan.eval_at(done)
+                save_now = plan.save_at(done)
+                sync = bool(hooks) or log_now or eval_now or save_now
+                if self.stop_on_nonfinite:
+                    if pending is not None:
+                        check_loss(*pending)
+                    pending = (s, metrics["loss"])
+                    if sync:  # we wait for the device here anyway
+                        check_loss(*pending)
+                        pending = None
+                if not sync:
+                    continue
+                if hooks or log_now or eval_now:
+                    info = step_info(self, state, metrics, batch, clock, done)
+                    if eval_now:
+                        info = dataclasses.replace(
+                            info, eval=self.run_evaluation(state, plan.eval_data)
+                        )
+                    if log_now or eval_now:
+                        bar.set_postfix(
+                            loss=f"{info.loss:.4g}", scale=f"{info.loss_scale:g}"
+                        )
+                        if writer is not None:
+                            writer.write(record(info))
+                    for hook in hooks:
+                        hook.fn(info)
+                if save_now and is_main:
+                    save_checkpoint(checkpoint_path(plan.checkpoint_dir, done), state)
+                    prune_checkpoints(plan.checkpoint_dir, plan.keep_checkpoints)
+                clock = (done, time.perf_counter())  # not counting logs, evals, saves
+            if pending is not None:
+                check_loss(*pending)
+        finally:
+            bar.close()
+            if writer is not None:
+                writer.close()
+        return state

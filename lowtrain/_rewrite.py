@@ -1,0 +1,112 @@
+"""`rewrite`: replace chosen primitives of a program by functions of your own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._eqn import Eqn, is_float
+from ._interpret import FlatCall, Interpreter
+
+# A rewrite rule: `rule(op, *operands, **params) -> output`, where `op(*operands)` runs
+# the original primitive with its original parameters.
+Rule = Callable[..., Any]
+
+
+class _RewriteInterpreter(Interpreter):
+    def __init__(self, rules: Mapping[str, Rule]):
+        self.rules = dict(rules)
+
+    def rule(self, eqn: Eqn, *invals) -> list:
+        fn = self.rules.get(eqn.primitive.name)
+        if fn is None:
+            return eqn.bind(*invals)
+
+        def op(*args):
+            out = eqn.bind(*args)
+            return out if eqn.primitive.multiple_results else out[0]
+
+        out = fn(op, *invals)
+        return list(out) if eqn.primitive.multiple_results else [out]
+
+    def join(self, types):
+        return types[0]  # a rewritten program keeps its types
+
+    def coerce(self, value, type_):
+        if is_float(value) and is_float(type_) and value.dtype != type_.dtype:
+            return value.astype(type_.dtype)
+        return value
+
+
+@eqx.filter_jit
+def _rewrite_call(fn, rules, args, kwargs):
+    call = FlatCall(fn, args, kwargs)
+    closed = jax.make_jaxpr(call)(*call.inputs)
+    return call.rebuild(
+        _RewriteInterpreter(dict(rules)).eval_jaxpr(closed, call.inputs)
+    )
+
+
+class _Rewrite(eqx.Module):
+    fn: Callable
+    rules: tuple[tuple[str, Rule], ...] = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self.fn
+
+    def __call__(self, *args, **kwargs):
+        return _rewrite_call(self.fn, self.rules, args, kwargs)
+
+
+def rewrite(fn: Callable, rules: Mapping[str, Rule]) -> Callable:
+    """`fn` with every equation of the primitives named in `rules` replaced.
+
+    `fn` is traced at the types it is called with; each equation whose primitive is
+    named in `rules` (`"dot_general"`, `"conv_general_dilated"`, ...) runs as
+    `rules[name](op, *operands)` instead, where `op(*operands)` is the original
+    operation with its original parameters; every other equation runs as written,
+    inside `jit`, `scan`, `while`, `cond`, `remat` and `custom_jvp`/`custom_vjp` too.
+    A rule returns what `op` would (same shape and dtype). Nothing else changes:
+    `jax.grad` differentiates the rewritten program, so a rule may carry its own
+    `jax.custom_vjp`, and the result composes with `lowtrain.amp` (rewrite first:
+    `amp(rewrite(model, rules), policy)` sees the rules' ops in the program it casts).
+
+    Like `amp`, the result is an `eqx.Module` (its parameters are `fn`'s; see
+    `__wrapped__`), compiled once per input structure. This is how a precision can
+    change every matmul of a model that was written without precision arguments: the
+    recipes' naive-FP8 baseline and scalify's FP8 matmuls are such rules.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain
+
+    def round_operands(op, lhs, rhs):  # every matmul on bfloat16-rounded operands
+        rnd = lambda x: x.astype(jnp.bfloat16).astype(x.dtype)
+        return op(rnd(lhs), rnd(rhs))
+
+    f = lambda x, w: jnp.tanh(x @ w)
+    g = lowtrain.rewrite(f, {"dot_general": round_operands})
+    x, w = jnp.full((2, 3), 1 + 2**-12), jnp.ones((3, 4))
+    assert g(x, w).dtype == jnp.float32
+    assert jnp.array_equal(g(x, w), jnp.tanh(jnp.full((2, 4), 3.0)))
+    ```
+    """
+    if not callable(fn):
+        raise TypeError(f"Expected a function or callable module, got {fn!r} instead.")
+    if not isinstance(rules, Mapping):
+        raise TypeError(
+            "Expected `rules` as a mapping from primitive names to functions, e.g. "
+            f"{{'dot_general': my_dot}}, got {type(rules).__name__} instead."
+        )
+    for name, rule in rules.items():
+        if not isinstance(name, str) or not callable(rule):
+            raise TypeError(
+                "Expected `rules` to map primitive names (str) to functions "
+                f"`rule(op, *operands)`, got {name!r}: {rule!r} instead."
+            )
+    return _Rewrite(fn, tuple(sorted(rules.items())))

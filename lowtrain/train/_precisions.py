@@ -1,0 +1,212 @@
+"""The `Precision`s lowtrain ships: `Amp`, `Scalify`, `DelayedFp8`, `Rewrite`."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .. import fp8, scalify
+from .._amp import Policy, amp, get_policy
+from .._loss_scale import DynamicLossScale, NoOpLossScale
+from .._rewrite import Rule, rewrite
+from ._precision import Precision, as_precision
+
+F32 = jnp.float32
+
+
+def _policy(policy: Policy | str) -> Policy:
+    policy = get_policy(policy) if isinstance(policy, str) else policy
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "Expected a `lowtrain.Policy` or a policy name such as 'bf16', got "
+            f"{type(policy).__name__} instead."
+        )
+    return policy
+
+
+class Amp(Precision):
+    """Automatic mixed precision: `loss` receives `lowtrain.amp(model, policy)`.
+
+    Parameters are stored in `policy.param_dtype` (master weights); the model's
+    forward and backward run as the policy says; its float outputs come back in
+    `policy.output_dtype`. Under the "fp32" policy the model is passed as it is.
+    Default loss scale: `DynamicLossScale()` when the policy computes in float16,
+    none otherwise.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain
+    from lowtrain.train import Amp
+
+    precision = Amp("fp16")
+    assert precision.policy.compute_dtype == jnp.float16
+    assert isinstance(precision.default_loss_scale(), lowtrain.DynamicLossScale)
+    ```
+    """
+
+    policy: Policy = eqx.field(static=True)
+
+    def __init__(self, policy: Policy | str = "fp32"):
+        self.policy = _policy(policy)
+
+    def cast_params(self, model):
+        return self.policy.cast_to_param(model)
+
+    def default_loss_scale(self):
+        half = self.policy.compute_dtype == jnp.float16
+        return DynamicLossScale() if half else NoOpLossScale()
+
+    def wrap_model(self, model):
+        if self.policy == get_policy("fp32"):
+            return model
+        return amp(model, self.policy)
+
+
+class Scalify(Precision):
+    """The whole step (forward, gradient, optimizer) under `lowtrain.scalify.scalify`.
+
+    The weights are stored as `ScaledArray`s of `policy.compute_dtype` (cast first
+    to `policy.param_dtype`), the optimizer state as float32 `ScaledArray`s (moments
+    of small gradients need the range); float inputs are cast to the compute dtype;
+    the optimizer's arithmetic runs on float32 (Adam squares the gradients) and its
+    updates are cast back to the weights' dtype, scales kept. `loss` receives the
+    model itself; metrics come back as plain float32 arrays. No loss scale.
+
+    ```python
+    import jax.numpy as jnp
+    from lowtrain.train import Scalify
+
+    precision = Scalify("p=f32,c=f16")
+    model, opt_state = precision.store({"w": jnp.ones(3)}, ())
+    assert model["w"].data.dtype == jnp.float16  # a ScaledArray
+    ```
+    """
+
+    policy: Policy = eqx.field(static=True)
+
+    def __init__(self, policy: Policy | str = "p=f32,c=f16"):
+        self.policy = _policy(policy)
+
+    def cast_params(self, model):
+        return self.policy.cast_to_param(model)
+
+    def store(self, model, opt_state):
+        model = scalify.as_scaled_array(model, dtype=self.policy.compute_dtype)
+        return model, scalify.as_scaled_array(opt_state)
+
+    def default_loss_scale(self):
+        return NoOpLossScale()
+
+    def wrap_step(self, step: Callable) -> Callable:
+        scaled = scalify.scalify(step)
+
+        def run(*args):
+            carry, metrics = scaled(*args)
+            return carry, scalify.asarray(metrics, F32)
+
+        return run
+
+    def inputs(self, batch):
+        # The model computes in its weights' dtype: float inputs are cast to it, as
+        # `amp` casts them on entry.
+        return self.policy.cast_to_compute(batch)
+
+    def to_optimizer(self, tree):
+        return jax.tree.map(lambda x: x.astype(F32), tree)
+
+    def from_optimizer(self, updates, params):
+        return jax.tree.map(lambda u, p: u.astype(p.dtype), updates, params)
+
+    def export(self, model):
+        return scalify.asarray(model, F32)
+
+
+class DelayedFp8(Precision):
+    """FP8 delayed scaling (`lowtrain.fp8.Fp8Linear(delayed=True)`): the new
+    amax histories come back as the "gradients" of the model's `DelayedScale`s; they
+    are taken out before the optimizer (`fp8.pop_scales`: zeros in their place, so
+    clipping, norms and finiteness checks never see them) and written into the
+    updated model exactly (`fp8.put_scales`). A model without `DelayedScale`s is
+    left alone, so the Trainer adds this to every policy it is given by name.
+
+    ```python
+    import jax
+    import lowtrain.fp8 as fp8
+    from lowtrain.train import DelayedFp8
+
+    layer = fp8.Fp8Linear(2, 2, delayed=True, key=jax.random.key(0))
+    grads, scales = DelayedFp8().split_gradients(layer)
+    assert not grads.x_scale.amax_history.any()
+    ```
+    """
+
+    def split_gradients(self, grads):
+        return fp8.pop_scales(grads)
+
+    def merge(self, model, extra):
+        return fp8.put_scales(model, extra)
+
+
+class Rewrite(Precision):
+    """The model's primitives named in `rules` replaced (`lowtrain.rewrite`): what
+    `loss` receives, and what `export` gives, is `lowtrain.rewrite(model, rules)`.
+
+    Chain it before `Amp` to change every matmul of a model written without
+    precision arguments (the recipes' naive-FP8 baseline), or after `Scalify`.
+
+    ```python
+    import jax.numpy as jnp
+    from lowtrain.train import Rewrite
+
+    double = Rewrite({"dot_general": lambda op, a, b: 2 * op(a, b)})
+    model = double.wrap_model(lambda x: x @ x)
+    assert model(jnp.eye(2))[0, 0] == 2.0
+    ```
+    """
+
+    rules: tuple[tuple[str, Rule], ...] = eqx.field(static=True)
+
+    def __init__(self, rules: Mapping[str, Rule]):
+        self.rules = tuple(sorted(dict(rules).items()))
+        rewrite(lambda: None, rules)  # checks `rules` now, not at the first step
+
+    def wrap_model(self, model):
+        return rewrite(model, dict(self.rules))
+
+
+# The deprecated `transform=` argument: its values and the precisions they meant.
+_TRANSFORMS = {"amp": Amp, "scalify": Scalify}
+
+
+def resolve(precision, policy, transform) -> Precision:
+    """The `Precision` the Trainer runs, from its `precision`, `policy` and (deprecated)
+    `transform` arguments (see `Trainer`)."""
+    if transform is not None:
+        if transform not in _TRANSFORMS:
+            raise ValueError(
+                f"Expected `transform` 'amp' or 'scalify', got {transform!r} instead."
+            )
+        warnings.warn(
+            "`Trainer(transform=...)` is deprecated: pass "
+            f"`precision=lowtrain.train.{_TRANSFORMS[transform].__name__}(policy)`.",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+        if precision is not None:
+            raise ValueError("Expected `transform` or `precision`, got both instead.")
+        return as_precision([_TRANSFORMS[transform](policy or "fp32"), DelayedFp8()])
+    if precision is not None and policy is not None:
+        raise ValueError(
+            "Expected `precision` or `policy`, got both instead. A policy alone "
+            "means `precision=[lowtrain.train.Amp(policy), lowtrain.train."
+            "DelayedFp8()]`."
+        )
+    if precision is None or isinstance(precision, str | Policy):
+        # A policy: AMP, and the FP8 delayed-scaling state of the model if it has
+        # any (`DelayedFp8` leaves a model without it alone).
+        return as_precision([Amp(precision or policy or "fp32"), DelayedFp8()])
+    return as_precision(precision)
