@@ -4,9 +4,13 @@
 file into its schema, so an unknown key (`trainer.stpes=10`) or a wrong type
 (`trainer.steps=ten`) is an error that names the key, before anything runs.
 
-Groups with one schema (`precision`, `trainer`) are typed on `Config` itself. Groups
-whose options differ in shape (`model`, `data`, `optimizer`) name their schema in
-their YAML file's defaults list: `- /schema/model/mlp@_here_`.
+Values that types cannot check (a negative learning rate, a zero width, a head count
+that does not divide the width) are checked when the config is built, in each
+schema's `__post_init__`, with a message naming the key.
+
+The group with one schema (`trainer`) is typed on `Config` itself. Groups whose
+options differ in shape (`model`, `data`, `optimizer`, `precision`) name their schema
+in their YAML file's defaults list: `- /schema/model/mlp@_here_`.
 """
 
 from __future__ import annotations
@@ -21,38 +25,76 @@ from omegaconf import MISSING
 TASKS = ("mnist", "gpt")
 
 
-class Transform(Enum):
-    """How the model is run in low precision (`precision.transform`)."""
+def _positive(value, key: str) -> None:
+    if not value > 0:
+        raise ValueError(f"Expected `{key}` > 0, got {value} instead.")
 
-    amp = "amp"  # `lowtrain.amp(model, policy)`, through `lowtrain.Trainer`
-    scalify = "scalify"  # the whole step under `lowtrain.scalify` (Trainer transform)
+
+def _at_least(value, low, key: str) -> None:
+    if not value >= low:
+        raise ValueError(f"Expected `{key}` >= {low}, got {value} instead.")
+
+
+def _check_optimizer(c) -> None:
+    _positive(c.lr, "optimizer.lr")
+    for name in ("weight_decay", "warmup_steps", "min_lr"):
+        _at_least(getattr(c, name), 0, f"optimizer.{name}")
+    if c.min_lr > c.lr:
+        raise ValueError(
+            f"Expected `optimizer.min_lr` <= `optimizer.lr` ({c.lr}), got {c.min_lr} "
+            "instead."
+        )
+    if c.schedule not in ("cosine", "constant"):
+        raise ValueError(
+            "Expected `optimizer.schedule` 'cosine' or 'constant', got "
+            f"{c.schedule!r} instead."
+        )
+    if c.clip_norm is not None:
+        _positive(c.clip_norm, "optimizer.clip_norm")
 
 
 class LossScale(Enum):
-    """`precision.loss_scale`: which `lowtrain` loss scale the Trainer gets."""
+    """`precision.loss_scale` of the AMP precisions: the Trainer's loss scale."""
 
     none = "none"  # NoOpLossScale: fp32, bf16, fp8
     static = "static"  # StaticLossScale(init_scale)
     dynamic = "dynamic"  # DynamicLossScale(init_scale, growth_interval): fp16
 
 
+# The precision group: `name` names the run (output dir, summary, plots); `_target_`
+# is the factory in `lowtrain.recipes.precisions` that builds the
+# `lowtrain.train.Precision`; the other fields are its arguments. One schema a factory.
+
+
 @dataclass
-class PrecisionConfig:
-    name: str = MISSING  # names the run: output dir, summary, plots
-    transform: Transform = Transform.amp
+class AmpPrecisionConfig:
+    name: str = MISSING
+    _target_: str = "lowtrain.recipes.precisions.amp"
     # A `lowtrain.get_policy` name ("fp32", "bf16", "fp16", "fp8") or a jmp-style
     # string ("params=float32,compute=bfloat16").
     policy: str = "fp32"
     loss_scale: LossScale = LossScale.none
     init_scale: float = 2.0**15
     growth_interval: int = 2000  # finite steps before a dynamic scale doubles
-    redo_on_nan: int = 0  # recompute a step at a lower scale up to N times
-    # The baseline of the FP8 results: every matmul's operands cast to E4M3 (its
-    # output cotangent to E5M2) with scale 1, saturating. See `recipes/_layers.py`.
-    naive_fp8: bool = False
-    # With transform=scalify: every matmul's operands' data cast to E4M3 (the output
-    # cotangent's to E5M2), scales kept (`lowtrain.scalify.cast_fp8`).
-    scalify_fp8: bool = False
+
+    def __post_init__(self):
+        _positive(self.init_scale, "precision.init_scale")
+        _positive(self.growth_interval, "precision.growth_interval")
+
+
+@dataclass
+class NaiveFp8PrecisionConfig:
+    name: str = MISSING
+    _target_: str = "lowtrain.recipes.precisions.naive_fp8"
+    policy: str = "bf16"  # everything but the FP8-rounded matmul operands
+
+
+@dataclass
+class ScalifyPrecisionConfig:
+    name: str = MISSING
+    _target_: str = "lowtrain.recipes.precisions.scalify"
+    policy: str = "p=f32,c=f16"  # weights stored as ScaledArrays of the compute dtype
+    fp8: bool = False  # matmul operands' data in E4M3, their cotangents' in E5M2
 
 
 @dataclass
@@ -69,17 +111,41 @@ class TrainerConfig:
     resume: bool = False  # continue from the newest checkpoint in the run dir
     prefetch: int = 4  # batches prepared ahead by a background thread (0: off)
     progress: bool = True  # the tqdm bar on stderr
+    redo_on_nan: int = 0  # recompute a step at a lower loss scale up to N times
+
+    def __post_init__(self):
+        for name in ("steps", "epochs", "eval_every", "checkpoint_every"):
+            if getattr(self, name) is not None:
+                _positive(getattr(self, name), f"trainer.{name}")
+        for name in ("batch_size", "eval_batch_size", "log_every", "keep_checkpoints"):
+            _positive(getattr(self, name), f"trainer.{name}")
+        for name in ("seed", "prefetch", "redo_on_nan"):
+            _at_least(getattr(self, name), 0, f"trainer.{name}")
 
 
 @dataclass
 class MLPConfig:
     hidden: list[int] = field(default_factory=lambda: [512, 512])
 
+    def __post_init__(self):
+        for i, width in enumerate(self.hidden):
+            _positive(width, f"model.hidden[{i}]")
+
 
 @dataclass
 class CNNConfig:
     channels: list[int] = field(default_factory=lambda: [32, 64])  # 3x3 conv + pool
     hidden: int = 128
+
+    def __post_init__(self):
+        for i, width in enumerate(self.channels):
+            _positive(width, f"model.channels[{i}]")
+        if not 1 <= len(self.channels) <= 4:  # each stage halves the 28x28 image
+            raise ValueError(
+                f"Expected 1 to 4 `model.channels` (each conv stage halves the 28x28 "
+                f"image), got {len(self.channels)} instead."
+            )
+        _positive(self.hidden, "model.hidden")
 
 
 @dataclass
@@ -89,6 +155,15 @@ class GPTConfig:
     n_embd: int = 128
     block_size: int = 64  # context length: the length of the training crops
     scan_layers: bool = True  # run the blocks under `lax.scan`: one block to compile
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            _positive(getattr(self, name), f"model.{name}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"Expected `model.n_embd` divisible by `model.n_head`, got "
+                f"{self.n_embd} and {self.n_head} instead."
+            )
 
 
 @dataclass
@@ -106,6 +181,14 @@ class TextDataConfig:
     val_fraction: float = 0.1  # the last 10% of the text is the validation split
     eval_batches: int = 20  # fixed random crops of the validation split
 
+    def __post_init__(self):
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(
+                f"Expected `data.val_fraction` in (0, 1), got {self.val_fraction} "
+                "instead."
+            )
+        _positive(self.eval_batches, "data.eval_batches")
+
 
 @dataclass
 class AdamWConfig:
@@ -119,6 +202,15 @@ class AdamWConfig:
     schedule: str = "cosine"  # "cosine" (to `min_lr`) or "constant"
     min_lr: float = 0.0
     clip_norm: float | None = None  # clip the global gradient norm
+
+    def __post_init__(self):
+        _check_optimizer(self)
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(
+                    f"Expected `optimizer.{name}` in [0, 1), got {value} instead."
+                )
 
 
 @dataclass
@@ -134,6 +226,13 @@ class SGDConfig:
     min_lr: float = 0.0
     clip_norm: float | None = None
 
+    def __post_init__(self):
+        _check_optimizer(self)
+        if not 0 <= self.momentum < 1:
+            raise ValueError(
+                f"Expected `optimizer.momentum` in [0, 1), got {self.momentum} instead."
+            )
+
 
 @dataclass
 class Config:
@@ -141,11 +240,15 @@ class Config:
     model: Any = MISSING  # MLPConfig, CNNConfig or GPTConfig
     data: Any = MISSING  # MnistDataConfig or TextDataConfig
     optimizer: Any = MISSING  # AdamWConfig or SGDConfig
-    precision: PrecisionConfig = MISSING
+    # AmpPrecisionConfig, NaiveFp8PrecisionConfig or ScalifyPrecisionConfig
+    precision: Any = MISSING
     trainer: TrainerConfig = MISSING
 
 
 SCHEMAS = {
+    "precision/amp": AmpPrecisionConfig,
+    "precision/naive_fp8": NaiveFp8PrecisionConfig,
+    "precision/scalify": ScalifyPrecisionConfig,
     "model/mlp": MLPConfig,
     "model/cnn": CNNConfig,
     "model/gpt": GPTConfig,

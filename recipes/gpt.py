@@ -4,7 +4,8 @@ Token and position embeddings, pre-LayerNorm blocks (causal self-attention, GELU
 MLP), a final LayerNorm and a head tied to the token embedding. The blocks' weights
 are stacked and run under `lax.scan` (one block to trace and compile; `amp` reaches
 inside the scan). As in `recipes/mnist.py`, the precision is the Trainer's business:
-`loss` receives `lowtrain.amp(model, policy)`.
+`loss` receives the model as the precision wraps it (`lowtrain.amp(model,
+policy)`, ...).
 
     python -m lowtrain recipe=gpt_fp8
     python -m lowtrain recipe=gpt precision=fp16 data=text data.path=corpus.txt
@@ -26,9 +27,9 @@ from omegaconf import DictConfig
 
 import lowtrain
 
-from . import _run
+from . import _common
 from ._config import Config, GPTConfig, TextDataConfig
-from ._layers import LayerNorm, Linear, decay_mask, einsum
+from ._layers import LayerNorm, Linear, decay_mask
 from ._text_data import CharText, Crops, load_text
 
 EVAL_SEED = 1234  # the same validation crops for every run, whatever its seed
@@ -45,31 +46,30 @@ class Block(eqx.Module):
     out: Linear
     n_head: int = eqx.field(static=True)
 
-    def __init__(self, c: GPTConfig, *, fp8_path: str | None, key: PRNGKeyArray):
+    def __init__(self, c: GPTConfig, *, key: PRNGKeyArray):
         k1, k2, k3, k4 = jax.random.split(key, 4)
         d = c.n_embd
         # GPT-2's init: N(0, 0.02), and the projections into the residual stream
         # scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow.
         res = 0.02 / math.sqrt(2 * c.n_layer)
         self.ln1, self.ln2 = LayerNorm(d), LayerNorm(d)
-        self.qkv = Linear(d, 3 * d, std=0.02, fp8_path=fp8_path, key=k1)
-        self.proj = Linear(d, d, std=res, fp8_path=fp8_path, key=k2)
-        self.fc = Linear(d, 4 * d, std=0.02, fp8_path=fp8_path, key=k3)
-        self.out = Linear(4 * d, d, std=res, fp8_path=fp8_path, key=k4)
+        self.qkv = Linear(d, 3 * d, std=0.02, key=k1)
+        self.proj = Linear(d, d, std=res, key=k2)
+        self.fc = Linear(d, 4 * d, std=0.02, key=k3)
+        self.out = Linear(4 * d, d, std=res, key=k4)
         self.n_head = c.n_head
 
     def attention(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
         b, t, c = x.shape
         hs = c // self.n_head
-        naive = self.qkv.fp8_path
         q, k, v = (
             a.reshape(b, t, self.n_head, hs)  # (B, T, nh, hs)
             for a in jnp.split(self.qkv(x), 3, axis=-1)
         )
-        att = einsum("bqhd,bkhd->bhqk", q, k, fp8_path=naive) / math.sqrt(hs)
+        att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hs)
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
         att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)  # (B,nh,T,T)
-        y = einsum("bhqk,bkhd->bqhd", att, v, fp8_path=naive)  # (B, T, nh, hs)
+        y = jnp.einsum("bhqk,bkhd->bqhd", att, v)  # (B, T, nh, hs)
         return self.proj(y.reshape(b, t, c))
 
     def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
@@ -85,23 +85,16 @@ class GPT(eqx.Module):
     blocks: Block  # n_layer blocks, each array stacked on a leading axis
     ln_f: LayerNorm
     scan_layers: bool = eqx.field(static=True)
-    fp8_path: str | None = eqx.field(static=True)
 
-    def __init__(self, c: GPTConfig, vocab: int, *, fp8_path=None, key):
-        if c.n_embd % c.n_head:
-            raise ValueError(
-                f"Expected `model.n_embd` divisible by `model.n_head`, got "
-                f"{c.n_embd} and {c.n_head} instead."
-            )
+    def __init__(self, c: GPTConfig, vocab: int, *, key: PRNGKeyArray):
+        # `c` is checked when it is built (`GPTConfig.__post_init__`).
         k_tok, k_pos, k_blocks = jax.random.split(key, 3)
         self.wte = 0.02 * jax.random.normal(k_tok, (vocab, c.n_embd))
         self.wpe = 0.02 * jax.random.normal(k_pos, (c.block_size, c.n_embd))
         keys = jax.random.split(k_blocks, c.n_layer)
-        self.blocks = eqx.filter_vmap(lambda k: Block(c, fp8_path=fp8_path, key=k))(
-            keys
-        )
+        self.blocks = eqx.filter_vmap(lambda k: Block(c, key=k))(keys)
         self.ln_f = LayerNorm(c.n_embd)
-        self.scan_layers, self.fp8_path = c.scan_layers, fp8_path
+        self.scan_layers = c.scan_layers
 
     def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
         b, t = tokens.shape
@@ -113,7 +106,7 @@ class GPT(eqx.Module):
             for i in range(jax.tree.leaves(params)[0].shape[0]):
                 layer = jax.tree.map(operator.itemgetter(i), params)
                 x = eqx.combine(layer, static)(x)
-        return einsum("btc,vc->btv", self.ln_f(x), self.wte, fp8_path=self.fp8_path)
+        return jnp.einsum("btc,vc->btv", self.ln_f(x), self.wte)
 
 
 class GptTrainer(lowtrain.Trainer):
@@ -158,34 +151,32 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
     train_data = Crops(chars.train, t.batch_size, m.block_size, seed=t.seed)
     val = Crops(chars.val, t.eval_batch_size, m.block_size, seed=EVAL_SEED)
     eval_data = [val(i) for i in range(d.eval_batches)]
-    steps = _run.total_steps(config, None)
+    steps = _common.total_steps(config, None)
     model_key, state_key = jax.random.split(jax.random.key(t.seed))
-    model = GPT(
-        m, len(chars.vocab), fp8_path=_run.fp8_path_of(config.precision), key=model_key
-    )
+    model = GPT(m, len(chars.vocab), key=model_key)
     trainer = GptTrainer(
         model,
-        _run.optimizer(cfg, steps, decay_mask),
-        **_run.trainer_options(config.precision),
+        _common.optimizer(cfg, steps, decay_mask),
+        **_common.trainer_options(config),
     )
-    state = _run.fit(trainer, config, train_data, eval_data, steps, out, key=state_key)
+    state = _common.fit(
+        trainer, config, train_data, eval_data, steps, out, key=state_key
+    )
     val_loss = trainer.run_evaluation(state, eval_data)["loss"]
     prompt = chars.val[: m.block_size]
-    # Sampled from the plain values (under transform=scalify the weights are
-    # ScaledArrays, which only `scalify` runs).
-    plain = lowtrain.scalify.asarray(state.model, jnp.float32)
-    sample = generate(
-        trainer.policy_model(plain), prompt, 300, key=jax.random.key(t.seed)
-    )
+    # Sampled from the model as the precision exports it (plain values: under
+    # Scalify the weights are ScaledArrays, which only `scalify` runs).
+    exported = trainer.precision.export(state.model)
+    sample = generate(exported, prompt, 300, key=jax.random.key(t.seed))
     (out / "sample.txt").write_text(chars.decode(prompt) + chars.decode(sample))
     return {
         "final": {"val_loss": val_loss},
         "steps": int(state.step),
-        "parameters": _run.count_parameters(model),
+        "parameters": _common.count_parameters(model),
         "vocab_size": len(chars.vocab),
         "train_characters": len(chars.train),
         "val_characters": len(chars.val),
         "val_tokens_evaluated": d.eval_batches * t.eval_batch_size * m.block_size,
         "skipped_steps": int(state.skipped),
-        "final_loss_scale": _run.final_loss_scale(state),
+        "final_loss_scale": _common.final_loss_scale(state),
     }

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 import lowtrain
 
-from . import _run
+from . import _common
 from ._config import CNNConfig, Config, MLPConfig, MnistDataConfig
 from ._layers import Conv2d, Linear, decay_mask
 from ._mnist_data import load_mnist
@@ -34,18 +34,12 @@ class MLP(eqx.Module):
 
     layers: tuple[Linear, ...]
 
-    def __init__(self, hidden=(512, 512), *, fp8_path=None, key: PRNGKeyArray):
+    def __init__(self, hidden=(512, 512), *, key: PRNGKeyArray):
         sizes = (784, *hidden, 10)
         keys = jax.random.split(key, len(sizes) - 1)
         self.layers = tuple(
             # He init for layers feeding a ReLU; the logits layer 1/sqrt(fan_in).
-            Linear(
-                n,
-                m,
-                std=(2 / n) ** 0.5 if m != 10 else None,
-                fp8_path=fp8_path,
-                key=k,
-            )
+            Linear(n, m, std=(2 / n) ** 0.5 if m != 10 else None, key=k)
             for n, m, k in zip(sizes[:-1], sizes[1:], keys)
         )
 
@@ -62,20 +56,15 @@ class CNN(eqx.Module):
     convs: tuple[Conv2d, ...]
     head: tuple[Linear, Linear]
 
-    def __init__(self, channels=(32, 64), hidden=128, *, fp8_path=None, key):
+    def __init__(self, channels=(32, 64), hidden=128, *, key: PRNGKeyArray):
         keys = jax.random.split(key, len(channels) + 2)
         ins = (1, *channels[:-1])
-        self.convs = tuple(
-            Conv2d(i, o, fp8_path=fp8_path, key=k)
-            for i, o, k in zip(ins, channels, keys)
-        )
+        self.convs = tuple(Conv2d(i, o, key=k) for i, o, k in zip(ins, channels, keys))
         side = 28 // 2 ** len(channels)
         flat = side * side * channels[-1]
         self.head = (
-            Linear(
-                flat, hidden, std=(2 / flat) ** 0.5, fp8_path=fp8_path, key=keys[-2]
-            ),
-            Linear(hidden, 10, fp8_path=fp8_path, key=keys[-1]),
+            Linear(flat, hidden, std=(2 / flat) ** 0.5, key=keys[-2]),
+            Linear(hidden, 10, key=keys[-1]),
         )
 
     def __call__(self, images: Float[Array, "B 28 28"]) -> Float[Array, "B 10"]:
@@ -90,11 +79,11 @@ class CNN(eqx.Module):
 
 
 def build_model(config: Config, *, key: PRNGKeyArray) -> eqx.Module:
-    m, naive = config.model, _run.fp8_path_of(config.precision)
+    m = config.model
     if isinstance(m, MLPConfig):
-        return MLP(tuple(m.hidden), fp8_path=naive, key=key)
+        return MLP(tuple(m.hidden), key=key)
     if isinstance(m, CNNConfig):
-        return CNN(tuple(m.channels), m.hidden, fp8_path=naive, key=key)
+        return CNN(tuple(m.channels), m.hidden, key=key)
     raise ValueError(
         f"Expected model=mlp or model=cnn for MNIST, got {type(m).__name__} instead."
     )
@@ -141,22 +130,24 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
         min(t.eval_batch_size, n_test),
         shuffle=False,
     )
-    steps = _run.total_steps(config, train_data.steps_per_epoch)
+    steps = _common.total_steps(config, train_data.steps_per_epoch)
     model_key, state_key = jax.random.split(jax.random.key(t.seed))
     model = build_model(config, key=model_key)
     trainer = MnistTrainer(
         model,
-        _run.optimizer(cfg, steps, decay_mask),
-        **_run.trainer_options(config.precision),
+        _common.optimizer(cfg, steps, decay_mask),
+        **_common.trainer_options(config),
     )
-    state = _run.fit(trainer, config, train_data, test_data, steps, out, key=state_key)
+    state = _common.fit(
+        trainer, config, train_data, test_data, steps, out, key=state_key
+    )
     test = trainer.run_evaluation(state, test_data)
     return {
         "final": {"test_accuracy": test["accuracy"], "test_loss": test["loss"]},
         "steps": int(state.step),
         "epochs": int(state.step) / train_data.steps_per_epoch,
         "test_examples": test_data.steps_per_epoch * test_data.batch_size,
-        "parameters": _run.count_parameters(model),
+        "parameters": _common.count_parameters(model),
         "skipped_steps": int(state.skipped),
-        "final_loss_scale": _run.final_loss_scale(state),
+        "final_loss_scale": _common.final_loss_scale(state),
     }

@@ -22,9 +22,20 @@ from omegaconf import OmegaConf
 
 import lowtrain
 from lowtrain import fp8
-from lowtrain.recipes import _config, _mnist_data, _run, _text_data, mnist, optim
-from lowtrain.recipes._layers import naive_fp8
+from lowtrain.recipes import (
+    _common,
+    _config,
+    _mnist_data,
+    _run,
+    _text_data,
+    mnist,
+    optim,
+    precisions,
+)
 from lowtrain.recipes._prefetch import Prefetch
+from lowtrain.recipes.precisions import naive_fp8_op
+
+from .helpers import iter_eqns
 
 RECIPES = [
     f"{task}{suffix}"
@@ -59,12 +70,69 @@ def test_every_recipe_composes(recipe):
     model = {"mnist": _config.MLPConfig, "gpt": _config.GPTConfig}[task]
     assert isinstance(config.model, model)
     assert isinstance(config.optimizer, _config.AdamWConfig)
-    options = _run.trainer_options(config.precision)
-    dynamic = isinstance(options["loss_scale"], lowtrain.DynamicLossScale)
-    assert dynamic == (precision == "fp16")
-    scalified = precision.startswith("scalify")
-    assert options["transform"] == ("scalify" if scalified else "amp")
-    assert _run.fp8_path_of(config.precision) == ("scalify" if scalified else None)
+    built = _common.trainer_options(config)["precision"]
+    assert isinstance(built, lowtrain.train.Precision)
+    loss_scale = built.default_loss_scale()
+    assert isinstance(loss_scale, lowtrain.DynamicLossScale) == (precision == "fp16")
+    parts = built.parts if isinstance(built, lowtrain.train.Chain) else (built,)
+    kinds = [type(part).__name__ for part in parts]
+    if precision.startswith("scalify"):
+        assert kinds == ["Scalify", "Rewrite"]  # scalify_fp8: FP8 casts on matmuls
+    else:
+        assert kinds == ["Amp"] and parts[0].policy == lowtrain.get_policy(
+            precision or "fp32"
+        )
+
+
+def test_precision_factories():
+    naive = precisions.naive_fp8("bf16")
+    assert [type(p).__name__ for p in naive.parts] == ["Rewrite", "Amp"]
+    with pytest.raises(ValueError, match="quantize them twice"):
+        precisions.naive_fp8("fp8")
+    static = precisions.amp("fp16", "static", init_scale=8.0)
+    assert float(static.default_loss_scale().loss_scale) == 8.0
+    assert isinstance(precisions.scalify(), lowtrain.train.Scalify)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimizer.lr=-1", "Expected `optimizer.lr` > 0, got -1.0"),
+        ("optimizer.b2=1.5", "Expected `optimizer.b2` in [0, 1), got 1.5"),
+        ("optimizer.schedule=linear", "Expected `optimizer.schedule` 'cosine'"),
+        ("optimizer.min_lr=1", "Expected `optimizer.min_lr` <= `optimizer.lr`"),
+        ("model.hidden=[0]", "Expected `model.hidden[0]` > 0, got 0"),
+        ("trainer.batch_size=0", "Expected `trainer.batch_size` > 0, got 0"),
+        ("trainer.steps=-3", "Expected `trainer.steps` > 0, got -3"),
+        ("precision.init_scale=0", "Expected `precision.init_scale` > 0"),
+    ],
+)
+def test_out_of_range_values_are_errors_naming_the_key(override, message):
+    with pytest.raises(Exception) as info:
+        _run.to_config(make_config("recipe=mnist_fp16", override))
+    assert message in _error_chain(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("model.n_head=3",), "Expected `model.n_embd` divisible by `model.n_head`"),
+        (("data.val_fraction=1.0",), "Expected `data.val_fraction` in (0, 1)"),
+    ],
+)
+def test_gpt_values_are_checked(overrides, message):
+    with pytest.raises(Exception) as info:
+        _run.to_config(make_config("recipe=gpt", *overrides))
+    assert message in _error_chain(info.value)
+
+
+def test_sgd_momentum_is_checked():
+    with pytest.raises(Exception) as info:
+        _run.to_config(
+            make_config("recipe=mnist", "optimizer=sgd", "optimizer.momentum=1")
+        )
+    expected = "Expected `optimizer.momentum` in [0, 1), got 1.0"
+    assert expected in _error_chain(info.value)
 
 
 def test_default_is_mnist_fp8():
@@ -275,28 +343,34 @@ def test_naive_fp8_casts_with_scale_one():
     x = jnp.array([[1000.0, 0.3, 1e-4]])
     w = jnp.array([[1.0], [1.0], [1.0]])
     matmul = lambda a, b: a @ b  # noqa: E731
-    y = naive_fp8(matmul, x, w)
+    y = naive_fp8_op(matmul, x, w)
     # 1000 saturates to 448; 0.3 rounds to E4M3's 0.3125; 1e-4 flushes to zero.
     assert float(y[0, 0]) == 448.0 + 0.3125
-    g = jax.grad(lambda x: jnp.sum(naive_fp8(matmul, x, w) * 1e-6))(x)
+    g = jax.grad(lambda x: jnp.sum(naive_fp8_op(matmul, x, w) * 1e-6))(x)
     # The cotangent 1e-6 is below E5M2's smallest subnormal (2**-16): it vanishes.
     assert float(jnp.abs(g).max()) == 0.0
-    g = jax.grad(lambda w: jnp.sum(naive_fp8(matmul, x, w) * 0.3))(w)
+    g = jax.grad(lambda w: jnp.sum(naive_fp8_op(matmul, x, w) * 0.3))(w)
     e5m2 = float(fp8.quantize(jnp.float32(0.3), fp8.E5M2).astype(jnp.float32))
     assert np.allclose(g[:, 0], e5m2 * np.array([448.0, 0.3125, 0.0]))
 
 
-@pytest.mark.parametrize("policy, naive", [("fp8", False), ("bf16", True)])
-def test_mnist_models_under_amp(policy, naive, getkey):
+@pytest.mark.parametrize("name", ["fp8", "fp8_naive"])
+def test_mnist_models_under_amp(name, getkey):
     images = jax.random.randint(getkey(), (4, 28, 28), 0, 256).astype(jnp.uint8)
     labels = jnp.arange(4, dtype=jnp.int32)
+    precision = precisions.naive_fp8() if name == "fp8_naive" else precisions.amp(name)
     for model in (
-        mnist.MLP((16,), fp8_path="naive" if naive else None, key=getkey()),
-        mnist.CNN((4, 8), 16, fp8_path="naive" if naive else None, key=getkey()),
+        mnist.MLP((16,), key=getkey()),
+        mnist.CNN((4, 8), 16, key=getkey()),
     ):
+        # Every matmul and convolution is FP8-rounded, with no model argument.
+        jaxpr = jax.make_jaxpr(precision.wrap_model(model))(mnist.normalize(images))
+        e4m3 = [e for e in iter_eqns(jaxpr) if "e4m3" in str(e.params.get("new_dtype"))]
+        n_matmuls = len(jax.tree.leaves(model)) // 2  # a (kernel, bias) pair each
+        assert len(e4m3) >= 2 * n_matmuls  # both operands of each
 
         def loss(m):
-            logits = lowtrain.amp(m, policy)(mnist.normalize(images))
+            logits = precision.wrap_model(m)(mnist.normalize(images))
             assert logits.shape == (4, 10) and logits.dtype == jnp.float32
             return mnist.cross_entropy(logits, labels)
 
@@ -492,7 +566,7 @@ def test_every_recipe_through_the_cli(tmp_path, task):
 
 def test_scalify_fp8_mlp_trains(getkey):
     # The MLP with its matmuls through scalify's FP8 casts, trained by the Trainer
-    # under transform="scalify": the loss falls like the float32 one.
+    # under precision=scalify_fp8: the loss falls like the float32 one.
     from lowtrain.recipes.mnist import MLP
 
     x = jax.random.normal(getkey(), (64, 784))
@@ -504,16 +578,18 @@ def test_scalify_fp8_mlp_trains(getkey):
             return -jnp.mean(jnp.take_along_axis(logp, batch["y"][:, None], 1))
 
     losses = {}
-    for path, transform in [(None, "amp"), ("scalify", "scalify")]:
-        model = MLP((32,), fp8_path=path, key=jax.random.key(0))
-        policy = "fp32" if path is None else lowtrain.get_policy("p=f32,c=f16")
-        trainer = Fit(model, optax.sgd(0.1), policy=policy, transform=transform)
+    for name, precision in [
+        ("fp32", "fp32"),
+        ("scalify", precisions.scalify(fp8=True)),
+    ]:
+        model = MLP((32,), key=jax.random.key(0))
+        trainer = Fit(model, optax.sgd(0.1), precision=precision)
         state = trainer.init(key=jax.random.key(1))
         batch = trainer.shard_batch({"x": x, "y": y})
         out = []
         for _ in range(5):
             state, metrics = trainer.compiled_step(batch, state)
             out.append(float(metrics["loss"]))
-        losses[transform] = out
-    np.testing.assert_allclose(losses["scalify"], losses["amp"], rtol=0.05)
+        losses[name] = out
+    np.testing.assert_allclose(losses["scalify"], losses["fp32"], rtol=0.05)
     assert losses["scalify"][-1] < losses["scalify"][0]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
-from .._loss_scale import DynamicLossScale, NoOpLossScale
+from .._loss_scale import DynamicLossScale, NoOpLossScale, _LossScale
 from .._rewrite import Rule, rewrite
 from ._precision import Precision, as_precision
 
@@ -34,8 +34,8 @@ class Amp(Precision):
     Parameters are stored in `policy.param_dtype` (master weights); the model's
     forward and backward run as the policy says; its float outputs come back in
     `policy.output_dtype`. Under the "fp32" policy the model is passed as it is.
-    Default loss scale: `DynamicLossScale()` when the policy computes in float16,
-    none otherwise.
+    Default loss scale: `loss_scale` if given, else `DynamicLossScale()` when the
+    policy computes in float16 and `NoOpLossScale()` otherwise.
 
     ```python
     import jax.numpy as jnp
@@ -49,14 +49,25 @@ class Amp(Precision):
     """
 
     policy: Policy = eqx.field(static=True)
+    loss_scale: _LossScale | None
 
-    def __init__(self, policy: Policy | str = "fp32"):
+    def __init__(
+        self, policy: Policy | str = "fp32", loss_scale: _LossScale | None = None
+    ):
         self.policy = _policy(policy)
+        if loss_scale is not None and not isinstance(loss_scale, _LossScale):
+            raise TypeError(
+                "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
+                f"{type(loss_scale).__name__} instead."
+            )
+        self.loss_scale = loss_scale
 
     def cast_params(self, model):
         return self.policy.cast_to_param(model)
 
     def default_loss_scale(self):
+        if self.loss_scale is not None:
+            return self.loss_scale
         half = self.policy.compute_dtype == jnp.float16
         return DynamicLossScale() if half else NoOpLossScale()
 

@@ -1,0 +1,118 @@
+"""What the recipes (`mnist.py`, `gpt.py`) share: the Trainer's options from the
+config, the step count, the optimizer, and `fit` with the run's outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import equinox as eqx
+import hydra.utils
+import jax
+from omegaconf import DictConfig
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+import lowtrain
+
+from ._config import Config
+from ._prefetch import Prefetch
+
+log = logging.getLogger("lowtrain")
+
+
+def trainer_options(config: Config) -> dict[str, Any]:
+    """`lowtrain.Trainer` keyword arguments from the config: the precision (built
+    by the factory `precision._target_` names, from the other `precision` fields;
+    `precision.name` only names the run) and `trainer.redo_on_nan`."""
+    fields = dataclasses.asdict(config.precision)
+    fields.pop("name")
+    return {
+        "precision": hydra.utils.instantiate(fields),
+        "redo_on_nan": config.trainer.redo_on_nan,
+    }
+
+
+def total_steps(config: Config, steps_per_epoch: int | None) -> int:
+    """`trainer.steps` if set, else `trainer.epochs` passes over the data."""
+    t = config.trainer
+    if t.steps is not None:
+        steps = t.steps
+    elif t.epochs is not None and steps_per_epoch:
+        steps = t.epochs * steps_per_epoch
+    else:
+        raise ValueError(
+            f"Expected `trainer.steps` (or `trainer.epochs` for {config.task}), got "
+            f"steps={t.steps} and epochs={t.epochs} instead. Pass trainer.steps=N."
+        )
+    if steps < 1:
+        raise ValueError(f"Expected at least one train step, got {steps} instead.")
+    return steps
+
+
+def optimizer(cfg: DictConfig, steps: int, decay_mask: Callable):
+    """The `optimizer` group instantiated (a partial) and completed."""
+    return hydra.utils.instantiate(cfg.optimizer)(
+        total_steps=steps, decay_mask=decay_mask
+    )
+
+
+def count_parameters(model) -> int:
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+
+
+def final_loss_scale(state: lowtrain.TrainState) -> float:
+    scale = getattr(state.loss_scale, "loss_scale", None)  # None: NoOpLossScale
+    return 1.0 if scale is None else float(scale)
+
+
+def fit(
+    trainer: lowtrain.Trainer,
+    config: Config,
+    data: Callable[[int], Any],
+    eval_data: Iterable,
+    steps: int,
+    out: pathlib.Path,
+    *,
+    key: jax.Array,
+) -> lowtrain.TrainState:
+    """`trainer.fit` with the run's outputs: `metrics.jsonl`, `checkpoints/`, a
+    progress bar, and a log line per evaluation."""
+    t = config.trainer
+
+    def report(info: lowtrain.StepInfo) -> None:
+        if info.eval is not None:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in info.eval.items())
+            log.info(
+                "step %d/%d: eval %s (train loss %.4f)",
+                info.step,
+                steps,
+                shown,
+                info.loss,
+            )
+
+    trainer.add_hook(report, every=t.eval_every or steps)
+    state = trainer.init(key=key)
+    source = Prefetch(data, t.prefetch) if t.prefetch else data
+    try:
+        with logging_redirect_tqdm():  # log lines above the progress bar
+            state = trainer.fit(
+                state,
+                source,
+                steps=steps,
+                eval_data=eval_data,
+                eval_every=t.eval_every,
+                log_every=t.log_every,
+                metrics_file=out / "metrics.jsonl",
+                checkpoint_dir=out / "checkpoints",
+                checkpoint_every=t.checkpoint_every,
+                keep_checkpoints=t.keep_checkpoints,
+                resume=t.resume,
+                progress=t.progress,
+            )
+    finally:
+        if isinstance(source, Prefetch):
+            source.close()
+    return state

@@ -1,0 +1,111 @@
+"""The precisions of `python -m lowtrain`: the factories the `precision` configs name
+(`_target_`), each returning a `lowtrain.train.Precision`, and the two matmul rules
+that make the FP8 baseline and scalify's FP8 path out of models written in plain
+JAX (`lowtrain.train.Rewrite` applies them to every `dot_general` and
+`conv_general_dilated`).
+
+    python -m lowtrain recipe=mnist precision=fp8_naive
+"""
+
+from __future__ import annotations
+
+import jax
+from jaxtyping import Array
+
+import lowtrain
+from lowtrain.fp8 import E4M3, E5M2, dequantize, quantize
+from lowtrain.scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
+from lowtrain.train import Amp, Chain, Precision, Rewrite, Scalify
+
+from ._config import LossScale
+
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _fp8_round(x: Array, dtype) -> Array:
+    # Scale 1: `x` itself is cast, saturating at the format's max (448 for E4M3,
+    # 57344 for E5M2); magnitudes below half the smallest subnormal (2**-10 for E4M3,
+    # 2**-17 for E5M2) become 0. The result is in `x.dtype` again.
+    return dequantize(quantize(x, dtype, 1.0), 1.0, x.dtype)
+
+
+def naive_fp8_op(op, lhs: Array, rhs: Array) -> Array:
+    """`op(lhs, rhs)` with both operands cast to E4M3 and the cotangent to E5M2,
+    all with scale 1: FP8 without scaling, the baseline the `fp8` policy improves on.
+
+    `op` is bilinear (a matmul, an einsum, a convolution). Forward: `op` of the
+    E4M3-rounded operands. Backward: the output cotangent is rounded to E5M2 and both
+    gradients come from it and the E4M3 operands, as in `lowtrain.fp8`'s scaled path.
+    The rounding is `lowtrain.fp8.quantize` (saturating, round to nearest even).
+    Around it, `op` runs in whatever precision the caller's policy gives it: under
+    the "bf16" policy that is a bfloat16 matmul of FP8 values (exact: bfloat16 holds
+    every E4M3 and E5M2 value), accumulated in float32.
+    """
+
+    @jax.custom_vjp
+    def run(lhs, rhs):
+        return op(_fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3))
+
+    def fwd(lhs, rhs):
+        ql, qr = _fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3)
+        return op(ql, qr), (ql, qr)
+
+    def bwd(res, g):
+        _, vjp = jax.vjp(op, *res)
+        return vjp(_fp8_round(g, E5M2))
+
+    run.defvjp(fwd, bwd)
+    return run(lhs, rhs)
+
+
+def scalify_fp8_op(op, lhs: Array, rhs: Array) -> Array:
+    """`op(lhs, rhs)` under the Scalify precision: both operands rescaled to unit
+    RMS, and their data cast to E4M3; in the backward pass the output cotangent is
+    rescaled to unit RMS and its data cast to E5M2
+    (`lowtrain.scalify.dynamic_rescale_l2[_grad]`, `cast_fp8`: the scales are kept,
+    so values do not change beyond FP8 rounding).
+    Unit RMS puts the data where the FP8 formats have their precision and range.
+    Outside `scalify` the rescales are the identity and the casts have scale 1."""
+    lhs = cast_fp8(dynamic_rescale_l2(lhs), E4M3, None)
+    rhs = cast_fp8(dynamic_rescale_l2(rhs), E4M3, None)
+    # Backward, the cotangent meets the rescale first, then the E5M2 cast.
+    out = cast_fp8(op(lhs, rhs), None, E5M2)
+    return dynamic_rescale_l2_grad(out)
+
+
+def amp(
+    policy: str = "fp32",
+    loss_scale: LossScale | str = LossScale.none,
+    init_scale: float = 2.0**15,
+    growth_interval: int = 2000,
+) -> Precision:
+    """`lowtrain.train.Amp(policy)` with the loss scale `loss_scale` names."""
+    kind = LossScale(loss_scale)
+    scale = {
+        LossScale.none: lambda: lowtrain.NoOpLossScale(),
+        LossScale.static: lambda: lowtrain.StaticLossScale(init_scale),
+        LossScale.dynamic: lambda: lowtrain.DynamicLossScale(
+            init_scale, growth_interval=growth_interval
+        ),
+    }[kind]()
+    return Amp(policy, loss_scale=scale)
+
+
+def naive_fp8(policy: str = "bf16") -> Precision:
+    """Every matmul through `naive_fp8` (FP8 with scale 1), then AMP under `policy`."""
+    if lowtrain.get_policy(policy) == lowtrain.get_policy("fp8"):
+        raise ValueError(
+            "Expected a policy that leaves matmuls alone (e.g. bf16) for the naive "
+            f"FP8 baseline, got {policy!r} instead, which would quantize them twice. "
+            "Use `precision=fp8_naive precision.policy=bf16`."
+        )
+    rules = dict.fromkeys(MATMULS, naive_fp8_op)
+    return Chain(Rewrite(rules), amp(policy))
+
+
+def scalify(policy: str = "p=f32,c=f16", fp8: bool = False) -> Precision:
+    """`lowtrain.train.Scalify(policy)`; with `fp8`, every matmul through
+    `scalify_fp8_op`."""
+    if not fp8:
+        return Scalify(policy)
+    return Chain(Scalify(policy), Rewrite(dict.fromkeys(MATMULS, scalify_fp8_op)))
