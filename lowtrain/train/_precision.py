@@ -22,7 +22,7 @@ class Precision(eqx.Module):
 
     Once, in `Trainer.init`:
     - `cast_params(model)`: the model with its parameters in their stored dtype; the
-      optimizer state is initialised on its float arrays.
+      optimizer state is initialised on its float arrays, through `to_optimizer`.
     - `store(model, opt_state)`: both in the form the step carries them (scalify:
       `ScaledArray`s).
     - `default_loss_scale()`: the loss scale to use when the Trainer is given none,

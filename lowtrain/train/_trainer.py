@@ -229,13 +229,15 @@ class Trainer:
     def init(self, *, key: PRNGKeyArray) -> TrainState:
         """A fresh `TrainState` (step 0) for `self.model`, replicated on `devices`.
 
-        The model's parameters are cast by the precision (`cast_params`) and copied,
-        so the model given to the constructor is never donated; the optimizer state
-        is initialised on them; both are then stored as the precision carries them.
+        Parameters are cast (`precision.cast_params`, a copy: the constructor's model
+        is never donated), the optimizer state initialised on them as the optimizer
+        sees them (`to_optimizer`), and both stored as the precision carries them.
         """
-        model = self.precision.cast_params(self.model)
-        opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-        model, opt_state = self.precision.store(model, opt_state)
+        p = self.precision
+        model = p.cast_params(self.model)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        opt_state = self.optimizer.init(p.to_optimizer(params))
+        model, opt_state = p.store(model, opt_state)
         state = TrainState(
             jnp.zeros((), jnp.int32), model, opt_state, self.loss_scale, key
         )
@@ -263,12 +265,11 @@ class Trainer:
 
     @functools.cached_property
     def _compiled_eval(self) -> Callable:
-        p = self.precision
-
         def run(model, batch):
+            p = self.precision
             return None, self.evaluate(p.wrap_model(model), p.inputs(batch))
 
-        return eqx.filter_jit(p.wrap_step(run))
+        return eqx.filter_jit(self.precision.wrap_step(run))
 
     def run_evaluation(self, state: TrainState, data: Iterable[PyTree]) -> dict:
         """The mean of each `evaluate` metric over the batches of `data`, as floats.

@@ -1,0 +1,255 @@
+"""The layering of docs/architecture.md, checked on the source (an AST walk).
+
+core (`_compat`, `_eqn`, `_higher_order`, `_interpret`, `_pow2`, `_scopes`) <-
+transforms (`fp8`, `_amp`, `scalify`, `_loss_scale`, `_rewrite`) <- `train` <- the
+`lowtrain` package's public surface <- recipes and configs <- the app <- scripts.
+A module may import from its own layer or a lower one, never a higher one; no two
+modules and no two units (subpackages) import each other, directly or through
+others, and imports inside functions count.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import textwrap
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Top-level folders of the checkout and the module names they are installed under.
+FOLDERS = {
+    "lowtrain": "lowtrain",
+    "recipes": "lowtrain.recipes",
+    "conf": "lowtrain.conf",
+}
+FOLDERS_OUTSIDE = {"scripts": "scripts"}
+
+# Unit (a module, or a subpackage with everything in it) -> layer; lower is deeper.
+LAYERS = {
+    "lowtrain._compat": 0,
+    "lowtrain._eqn": 0,
+    "lowtrain._higher_order": 0,
+    "lowtrain._interpret": 0,
+    "lowtrain._pow2": 0,
+    "lowtrain._scopes": 0,
+    "lowtrain._checkout": 0,
+    "lowtrain.fp8": 1,
+    "lowtrain._amp": 1,
+    "lowtrain.scalify": 1,
+    "lowtrain._loss_scale": 1,
+    "lowtrain._rewrite": 1,
+    "lowtrain.train": 2,
+    "lowtrain": 3,  # the package's __init__: the public surface
+    "lowtrain.recipes": 4,
+    "lowtrain.conf": 4,
+    "lowtrain.__main__": 5,
+    "scripts": 6,
+}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for folder, name in {**FOLDERS, **FOLDERS_OUTSIDE}.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([name, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def _imports(module: str) -> set[str]:
+    """The project modules `module` imports, anywhere in its file."""
+    tree = ast.parse(MODULES[module].read_text())
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                parent = parent[: len(parent) - node.level + 1]
+                base = ".".join(filter(None, [*parent, base]))
+            # `from pkg import name`: the submodule `pkg.name` if there is one.
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                for a in node.names
+            ]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:  # `import a.b.c` of a module a.b
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                out.add(name)
+    return out
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _unit(module: str) -> str:
+    best = max(
+        (u for u in LAYERS if module == u or module.startswith(u + ".")), key=len
+    )
+    return best
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of `graph` (a list of nodes, first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_every_module_has_a_layer():
+    unplaced = [
+        m for m in MODULES if not any(m == u or m.startswith(u + ".") for u in LAYERS)
+    ]
+    assert not unplaced, f"Give these modules a layer in LAYERS: {unplaced}"
+
+
+def test_the_walk_sees_imports():
+    # The checker itself: known edges are found, relative and inside functions too.
+    assert "lowtrain._interpret" in GRAPH["lowtrain._amp._transform"]
+    assert "lowtrain.fp8" in GRAPH["lowtrain.train._precisions"]
+    assert "lowtrain.recipes.gpt" in GRAPH["lowtrain.recipes._run"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_module_import_cycle():
+    cycle = _cycle(GRAPH)
+    assert cycle is None, "Import cycle between modules: " + " -> ".join(cycle)
+
+
+def test_no_unit_import_cycle():
+    units: dict[str, set[str]] = {}
+    for module, deps in GRAPH.items():
+        here = _unit(module)
+        units.setdefault(here, set()).update(_unit(d) for d in deps if _unit(d) != here)
+    cycle = _cycle(units)
+    assert cycle is None, "Import cycle between subpackages: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down(module):
+    here = _unit(module)
+    up = [d for d in GRAPH[module] if LAYERS[_unit(d)] > LAYERS[here]]
+    assert not up, (
+        f"{module} (layer {LAYERS[here]}) imports {up} from a higher layer. A lower "
+        "layer that needs something from a higher one gets a parameter or a registry "
+        "(docs/architecture.md)."
+    )
+
+
+def test_jax_internals_only_in_compat():
+    offenders = []
+    for module, path in MODULES.items():
+        if module == "lowtrain._compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names = [f"{node.value.id}.{node.attr}"]
+            if any(n.startswith(("jax._src", "jax.extend")) for n in names):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"JAX internals outside lowtrain/_compat.py: {offenders}"
+
+
+def _is_str(node) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def _compares_to_a_name(node: ast.Compare) -> bool:
+    """`x == "amp"`, `x != "scalify"`, `x in ("amp", "scalify")` and the like
+    (`"key" in mapping` is a lookup, not a branch on a name)."""
+    for op, right in zip(node.ops, node.comparators):
+        if isinstance(op, ast.Eq | ast.NotEq | ast.Is | ast.IsNot):
+            if _is_str(node.left) or _is_str(right):
+                return True
+        if isinstance(op, ast.In | ast.NotIn) and isinstance(
+            right, ast.Tuple | ast.List | ast.Set
+        ):
+            if any(_is_str(e) for e in right.elts):
+                return True
+    return False
+
+
+def test_the_name_check_sees_comparisons():
+    parse = lambda src: ast.parse(src).body[0].value  # noqa: E731
+    assert _compares_to_a_name(parse('t == "scalify"'))
+    assert _compares_to_a_name(parse('t in ("amp", "scalify")'))
+    assert not _compares_to_a_name(parse('"lr" in hyperparams'))
+
+
+def test_trainer_compares_no_transform_names():
+    # The Trainer asks its `Precision`; it never branches on a transform's name.
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith("lowtrain.train"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and _compares_to_a_name(node):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"String comparisons in lowtrain/train: {found}"
+
+
+def test_library_files_stay_small():
+    big = {
+        str(p.relative_to(ROOT)): n
+        for m, p in MODULES.items()
+        if m.startswith("lowtrain") and (n := len(p.read_text().splitlines())) > 400
+    }
+    assert not big, f"Files over 400 lines (split them by concern): {big}"
+
+
+def test_architecture_doc_example_runs():
+    # docs/architecture.md's worked example: a precision written without touching
+    # the Trainer.
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "docs/architecture.md lost its worked example"
+    namespace = {}
+    for block in blocks:
+        with jax.numpy_dtype_promotion("standard"):  # optax's adam: b1 ** count
+            exec(
+                compile(textwrap.dedent(block), "<architecture.md>", "exec"), namespace
+            )
