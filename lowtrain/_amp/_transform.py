@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import fp8
 from .._compat import COMBINER_PRIMITIVES
 from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
@@ -116,8 +117,6 @@ class _AmpInterpreter(Interpreter):
         )
 
     def _fp8(self, eqn: Eqn, lhs, rhs):
-        from .. import fp8  # lowtrain.fp8 builds on amp's scope names: import late
-
         out = self.policy.compute_dtype
         if eqn.primitive.name == "dot_general":
             dn = eqn.params["dimension_numbers"]
