@@ -21,6 +21,10 @@ from jax._src.ad_util import Zero as _Zero
 # sub-jaxpr is relative to the equation that holds it.
 from jax._src.source_info_util import Scope as _Scope
 
+# JAX 0.10.2 (0.11 not checked: it needs Python >= 3.12): `summarize(source_info)`
+# formats the innermost frame outside JAX as "file:line:column (function)".
+from jax._src.source_info_util import summarize as _summarize_source
+
 # JAX 0.10 and 0.11: `jax.extend.core` exposes the primitives of every higher-order op.
 # The jit primitive was called `pjit` before JAX 0.7 and `jit` since; the remat
 # primitive is `remat2` (its Python name `remat_p`). We support JAX >= 0.10 only
@@ -121,6 +125,32 @@ def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
     return tuple(
         s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _Scope)
     )
+
+
+def eqn_name_stack(eqn: JaxprEqn) -> str:
+    """The name stack of `eqn` as JAX prints it, `jax.named_scope` names and
+    transforms: `"jvp(outer)/inner"` for an op in `named_scope("inner")` inside
+    `named_scope("outer")`, under `jax.jvp`; `""` for none."""
+    # JAX 0.10.2 (0.11 not checked: it needs Python >= 3.12; `tests/test_compat.py`
+    # says if it differs): `source_info.name_stack` is a `NameStack` whose `str` joins
+    # the scopes with "/" and wraps them in each transform's name.
+    return str(eqn.source_info.name_stack)
+
+
+def eqn_source_line(eqn: JaxprEqn) -> str:
+    """Where `eqn` was traced, as `"path/file.py:line:column (function)"` (the form
+    `jax.ad_checkpoint.print_saved_residuals` prints), user frames only."""
+    # JAX 0.10.2 (0.11 not checked): `source_info_util.summarize` picks the innermost
+    # frame outside JAX itself from the traceback JAX records on each equation.
+    return _summarize_source(eqn.source_info)
+
+
+def short_type(aval) -> str:
+    """An abstract value's type in JAX's short notation, such as `"f32[16,64]"` or
+    `"bf16[]"` (as `print_saved_residuals` and jaxprs print them)."""
+    # JAX 0.10.2 (0.11 not checked): `ShapedArray.str_short(short_dtypes=True)`, a
+    # method of JAX's internal `core.ShapedArray`.
+    return aval.str_short(short_dtypes=True)
 
 
 def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple:

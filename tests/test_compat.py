@@ -1,5 +1,7 @@
 """Fails loudly when the JAX internals lowtrain relies on change (see _compat.py)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -58,3 +60,44 @@ def test_supported_version(monkeypatch):
         monkeypatch.setattr(jax, "__version__", version)
         with pytest.raises(ImportError, match=f"got jax {version}"):
             _compat.check_version()
+
+
+def _sin_under_jvp_in_scopes():
+    """The `sin` equation of `f` under `jax.jvp`, and `f`."""
+
+    def f(x):
+        return jax.named_scope("outer")(jax.named_scope("inner")(jnp.sin))(x)
+
+    jaxpr = jax.make_jaxpr(lambda x: jax.jvp(f, (x,), (x,)))(jnp.ones(2, jnp.bfloat16))
+    return next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "sin"), f
+
+
+def test_eqn_name_stack():
+    eqn, _ = _sin_under_jvp_in_scopes()
+    stack = _compat.eqn_name_stack(eqn)
+    assert stack == "jvp(outer)/inner", (
+        f"JAX {jax.__version__} prints name stacks differently: got {stack!r}. "
+        "Update lowtrain/_compat.py and the residual tables of scripts/bench_amp.py."
+    )
+
+
+def test_eqn_source_line():
+    eqn, f = _sin_under_jvp_in_scopes()
+    line = _compat.eqn_source_line(eqn)
+    # "<path>/tests/test_compat.py:<line>:<column> (<qualified name of f>)"
+    want = rf".*/test_compat\.py:{f.__code__.co_firstlineno + 1}:\d+ \(.*\bf\)"
+    assert re.fullmatch(want, line), (
+        f"JAX {jax.__version__} summarizes source lines differently: got {line!r}. "
+        "Update lowtrain/_compat.py."
+    )
+
+
+def test_short_type():
+    jaxpr = jax.make_jaxpr(lambda x: (x, x.astype(jnp.float32)[0]))(
+        jnp.ones((16, 64), jnp.bfloat16)
+    )
+    types = [_compat.short_type(v.aval) for v in jaxpr.jaxpr.outvars]
+    assert types == ["bf16[16,64]", "f32[64]"], (
+        f"JAX {jax.__version__} writes short types differently: got {types}. "
+        "Update lowtrain/_compat.py."
+    )

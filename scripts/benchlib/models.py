@@ -1,0 +1,281 @@
+"""The benchmark models, their losses, and the same losses in hand-placed precision.
+
+The models are the recipes' own: `lowtrain.recipes.mnist.MLP` (784-512-512-10, batch
+128) and `lowtrain.recipes.gpt.GPT` (4 layers, 4 heads, width 128, context 64, batch
+16, vocabulary 64, the blocks under `lax.scan`). `loss` is the float32 loss both are
+trained with; `hand_mlp_loss` and `hand_gpt_loss` are that loss with mixed precision
+written by hand in the style of jmp/mpx: parameters and inputs cast to the compute
+dtype, matmuls in half precision, and layer norm, the attention's query scaling and
+softmax, GELU (the erf form) and the cross-entropy upcast to float32 by hand and cast
+back before the next matmul. That is the placement `lowtrain.amp`'s default policy
+gives, so both compute the same loss (the step-time table checks it). With
+`f32_sums=True` the bias gradients (sums over the batch) also accumulate in float32,
+as `amp` sums them, where plain autodiff of the hand-placed loss sums them in half
+precision: the same forward pass, and the backward placement of `amp`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import lowtrain
+from lowtrain.recipes._config import GPTConfig
+from lowtrain.recipes._layers import Linear
+from lowtrain.recipes.gpt import GPT, Block
+from lowtrain.recipes.mnist import MLP
+
+F32 = jnp.float32
+HALF = {"fp16": jnp.dtype(jnp.float16), "bf16": jnp.dtype(jnp.bfloat16)}
+GPT_CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64)
+GPT_VOCAB = 64
+GPT_BATCH = 16
+MLP_BATCH = 128
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy in float32 of `logits` (..., classes) against
+    integer labels (...), as the recipes' trainers compute it."""
+    logp = jax.nn.log_softmax(logits.astype(F32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], -1))
+
+
+def loss(model: Callable, x: jax.Array, y: jax.Array) -> jax.Array:
+    """The float32 loss of both models: cross-entropy of `model(x)` against `y`."""
+    return cross_entropy(model(x), y)
+
+
+def cast_floats(tree: Any, dtype) -> Any:
+    """Cast every floating-point array of `tree` to `dtype`."""
+    return jax.tree.map(
+        lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, tree
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Hand-placed mixed precision (jmp style)
+# --------------------------------------------------------------------------------------
+
+
+@jax.custom_vjp
+def _add_bias_f32_grad(y: jax.Array, bias: jax.Array) -> jax.Array:
+    """`y + bias`, whose bias gradient is summed over the batch in float32."""
+    return y + bias
+
+
+def _add_bias_fwd(y, bias):
+    return y + bias, None
+
+
+def _add_bias_bwd(_, g):
+    axes = tuple(range(g.ndim - 1))
+    return g, jnp.sum(g.astype(F32), axes).astype(g.dtype)
+
+
+_add_bias_f32_grad.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def _linear(layer: Linear, x: jax.Array, f32_sums: bool) -> jax.Array:
+    """The recipe's `Linear` on `x`; with `f32_sums`, its bias gradient (a sum over
+    the batch) accumulates in float32, as under `lowtrain.amp`'s policy, rather than
+    in the dtype of the bias as plain autodiff has it."""
+    if not f32_sums:
+        return layer(x)
+    return _add_bias_f32_grad(jnp.einsum("...i,io->...o", x, layer.kernel), layer.bias)
+
+
+def hand_mlp_loss(half, f32_sums: bool = False) -> Callable:
+    """The MLP loss in mixed precision: `MLP.__call__` (Linear and ReLU) in `half`,
+    the cross-entropy in float32. `f32_sums`: see `_linear`."""
+
+    def hand_loss(model: MLP, images: jax.Array, labels: jax.Array) -> jax.Array:
+        m = cast_floats(model, half)
+        x = images.astype(half).reshape(images.shape[0], 784)
+        for layer in m.layers[:-1]:
+            x = jax.nn.relu(_linear(layer, x, f32_sums))
+        logits = _linear(m.layers[-1], x, f32_sums)
+        return cross_entropy(logits, labels)  # upcasts the logits
+
+    return hand_loss
+
+
+def _layer_norm_f32(ln, x: jax.Array) -> jax.Array:
+    """The recipe's `LayerNorm` computed in float32 (on float32 copies of its
+    half-precision parameters and of `x`)."""
+    return cast_floats(ln, F32)(x.astype(F32))
+
+
+def _attention(block: Block, x: jax.Array, half, lin: Callable) -> jax.Array:
+    """`Block.attention` on a half-precision `x`: projections in half, query scaling
+    and softmax in float32."""
+    b, t, c = x.shape
+    hs = c // block.n_head
+    q, k, v = (
+        a.reshape(b, t, block.n_head, hs)
+        for a in jnp.split(lin(block.qkv, x), 3, axis=-1)
+    )
+    # `/ sqrt(hs)` is a division, which the AMP policy runs in float32.
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hs)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
+    att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1).astype(half)
+    y = jnp.einsum("bhqk,bkhd->bqhd", att, v)
+    return lin(block.proj, y.reshape(b, t, c))
+
+
+def _gelu(h: jax.Array) -> jax.Array:
+    """`jax.nn.gelu(h, approximate=False)` of a half-precision `h` as the AMP policy
+    places it: `erfc` and the product with it in float32. `amp` takes scalar
+    constants for weakly typed, so the products of `h` with 0.5 and with sqrt(1/2)
+    inside `jax.nn.gelu` stay in half precision; written so here too."""
+    sqrt_half = jnp.asarray(math.sqrt(0.5), h.dtype)
+    return 0.5 * h * lax.erfc((-h * sqrt_half).astype(F32))
+
+
+def _block(block: Block, x: jax.Array, half, lin: Callable) -> jax.Array:
+    """`Block.__call__` with half-precision `block` and `x`: layer norms and GELU in
+    float32, cast back to `half` before the matmuls."""
+    x = x + _attention(block, _layer_norm_f32(block.ln1, x).astype(half), half, lin)
+    h = lin(block.fc, _layer_norm_f32(block.ln2, x).astype(half))
+    return x + lin(block.out, _gelu(h).astype(half))
+
+
+def _hand_gpt_logits(model: GPT, tokens: jax.Array, half, lin: Callable):
+    """`GPT.__call__` in mixed precision; `model` holds float32 parameters."""
+    b, t = tokens.shape
+    # The embedding rows are gathered from the float32 table and cast (the same
+    # values as gathering from the cast table), so that the gather's gradient, a
+    # scatter-add, sums in float32 as the AMP policy has it.
+    rows = model.wte[tokens].astype(half)
+    m = cast_floats(model, half)
+    x = rows + jnp.broadcast_to(m.wpe[:t], (b, t, m.wpe.shape[1]))
+    params, static = eqx.partition(m.blocks, eqx.is_array)
+    if m.scan_layers:
+        step = lambda x, p: (_block(eqx.combine(p, static), x, half, lin), None)
+        x, _ = lax.scan(step, x, params)
+    else:
+        for i in range(jax.tree.leaves(params)[0].shape[0]):
+            layer = jax.tree.map(lambda a, i=i: a[i], params)
+            x = _block(eqx.combine(layer, static), x, half, lin)
+    h = _layer_norm_f32(m.ln_f, x).astype(half)
+    return jnp.einsum("btc,vc->btv", h, m.wte)
+
+
+def hand_gpt_loss(half, f32_sums: bool = False) -> Callable:
+    """The GPT loss with mixed precision placed by hand. `f32_sums`: see `_linear`."""
+    lin = functools.partial(_linear, f32_sums=f32_sums)
+
+    def hand_loss(model: GPT, tokens: jax.Array, targets: jax.Array) -> jax.Array:
+        return cross_entropy(_hand_gpt_logits(model, tokens, half, lin), targets)
+
+    return hand_loss
+
+
+# --------------------------------------------------------------------------------------
+# Benchmark cases
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """A model, its loss in hand-placed mixed precision, and a batch (the float32
+    loss is `loss` for every case). `hand_loss(half, f32_sums=False)` returns the
+    hand-placed loss."""
+
+    name: str
+    model: eqx.Module
+    hand_loss: Callable[..., Callable]
+    batch: tuple[jax.Array, jax.Array]
+    step_factor: int = 1  # times `--steps` timed steps (for cheap, noisy steps)
+
+
+def mlp_case(key: jax.Array) -> Case:
+    """The recipe's MLP 784-512-512-10 on a random batch of 128 images."""
+    k_model, k_x, k_y = jax.random.split(key, 3)
+    images = jax.random.normal(k_x, (MLP_BATCH, 28, 28))
+    labels = jax.random.randint(k_y, (MLP_BATCH,), 0, 10)
+    return Case(
+        "MLP 784-512-512-10, batch 128",
+        MLP(hidden=(512, 512), key=k_model),
+        hand_mlp_loss,
+        (images, labels),
+        step_factor=5,
+    )
+
+
+def gpt_case(key: jax.Array) -> Case:
+    """The recipe's GPT (4 layers, width 128, 4 heads) on random token crops."""
+    k_model, k_tokens = jax.random.split(key)
+    c = GPT_CONFIG
+    stream = jax.random.randint(k_tokens, (GPT_BATCH, c.block_size + 1), 0, GPT_VOCAB)
+    return Case(
+        f"GPT {c.n_layer}L d{c.n_embd} h{c.n_head}, seq {c.block_size}, "
+        f"batch {GPT_BATCH}",
+        GPT(c, GPT_VOCAB, key=k_model),
+        hand_gpt_loss,
+        (stream[:, :-1], stream[:, 1:]),
+    )
+
+
+def make_cases() -> list[Case]:
+    """The MLP and GPT benchmark cases, with their inputs on the device."""
+    key_mlp, key_gpt = jax.random.split(jax.random.key(0))
+    return [mlp_case(key_mlp), gpt_case(key_gpt)]
+
+
+def half_residuals(policy: str) -> lowtrain.Policy:
+    """`policy` with `residuals="half"`: only compute-dtype values are saved."""
+    p = lowtrain.get_policy(policy)
+    return lowtrain.Policy(
+        p.param_dtype, p.compute_dtype, p.output_dtype, residuals="half"
+    )
+
+
+def variant_losses(case: Case, policy: str) -> dict[str, Callable]:
+    """The losses compared for `case` under `policy`: amp (saving all residuals, and
+    saving only half-precision ones), by hand, and by hand with the bias gradients
+    summed in float32 as amp sums them."""
+    return {
+        "amp": lowtrain.amp(loss, policy),
+        "amp_half": lowtrain.amp(loss, half_residuals(policy)),
+        "hand": case.hand_loss(HALF[policy]),
+        "hand_f32_sums": case.hand_loss(HALF[policy], f32_sums=True),
+    }
+
+
+def residual_variants(case: Case) -> dict[str, Callable]:
+    """The losses whose saved residuals are compared, by row name."""
+    return {
+        "float32 loss": loss,
+        "amp fp16": lowtrain.amp(loss, "fp16"),
+        "amp bf16": lowtrain.amp(loss, "bf16"),
+        "amp fp16, residuals=half": lowtrain.amp(loss, half_residuals("fp16")),
+        "amp bf16, residuals=half": lowtrain.amp(loss, half_residuals("bf16")),
+        "hand fp16": case.hand_loss(HALF["fp16"]),
+        "hand bf16": case.hand_loss(HALF["bf16"]),
+    }
+
+
+def loss_gap(case: Case, policy: str) -> float:
+    """The largest |loss(amp) - loss(v)| over the variants `v` of `variant_losses`
+    under `policy`, at the initial parameters: 0.0 when they all place every op of
+    the forward pass in the same precision.
+
+    All are compiled with XLA's excess precision off (`xla_allow_excess_precision`):
+    with it on (the default), XLA may keep a chain of half-precision elementwise ops
+    in float32 where its fusion allows, so two programs with the same ops can round
+    differently (by about 1e-5 here).
+    """
+    values = {}
+    for name, fn in variant_losses(case, policy).items():
+        compiled = jax.jit(fn).lower(case.model, *case.batch)
+        compiled = compiled.compile({"xla_allow_excess_precision": False})
+        values[name] = float(compiled(case.model, *case.batch))
+    return max(abs(values["amp"] - v) for v in values.values())
