@@ -11,6 +11,7 @@ _checkout.install()  # `lowtrain.recipes` and `lowtrain.conf` from a checkout to
 from . import fp8 as fp8  # noqa: E402
 from . import scalify as scalify  # noqa: E402
 from . import train as train  # noqa: E402
+from . import unit_scaling as unit_scaling  # noqa: E402
 from ._amp import DEFAULT_RULES as DEFAULT_RULES  # noqa: E402
 from ._amp import Policy as Policy  # noqa: E402
 from ._amp import amp as amp  # noqa: E402

@@ -26,7 +26,9 @@ class Eqn:
     program); `weak[i]` says input `i` is a scalar constant or weakly typed (a Python
     scalar such as the `2.0` in `x * 2.0`; jaxpr literals lose their weak type, so
     every literal counts); `scopes` is the full `jax.named_scope` path, outermost
-    first, including the scopes of the higher-order ops that contain it.
+    first, including the scopes of the higher-order ops that contain it; `invars` and
+    `outvars` are the equation's atoms in its jaxpr (for a transform that analyses
+    the program's dataflow, such as `unit_scale`'s search for residual adds).
     """
 
     primitive: _compat.Primitive
@@ -35,6 +37,8 @@ class Eqn:
     out_avals: tuple[Any, ...]
     weak: tuple[bool, ...]
     scopes: tuple[str, ...]
+    invars: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    outvars: tuple[Any, ...] = dataclasses.field(default=(), compare=False, repr=False)
     # Shared by the equations of one jaxpr evaluation (one trace): rules may cache
     # derived values here, such as the one float32 copy of a float16 input that three
     # ops use (so its cotangents are summed once, in float32).

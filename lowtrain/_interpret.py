@@ -64,6 +64,11 @@ class Interpreter:
     def coerce(self, value: Any, type_: Any) -> Any:
         raise NotImplementedError
 
+    def higher_order(self, eqn: Eqn, *invals) -> list:
+        """Evaluate a higher-order equation: its rule in `_higher_order.py`. A
+        subclass may handle some first (e.g. an inner jit by its `name`)."""
+        return HIGHER_ORDER_RULES[eqn.primitive](self, eqn, *invals)
+
     def unsupported(self, eqn: Eqn, *invals) -> list:
         """Called for a higher-order primitive with no rule in `_higher_order.py`."""
         raise NotImplementedError(
@@ -118,6 +123,8 @@ class Interpreter:
                 tuple(v.aval for v in jeqn.outvars),
                 tuple(is_weak(v) for v in jeqn.invars),
                 scopes + _compat.eqn_scopes(jeqn),
+                tuple(jeqn.invars),
+                tuple(jeqn.outvars),
                 memo,
             )
             higher = HIGHER_ORDER_RULES.get(jeqn.primitive)
@@ -127,7 +134,7 @@ class Interpreter:
             invals = [read(v) for v in jeqn.invars]
             with _named_scopes(_compat.eqn_scopes(jeqn)):
                 if higher is not None:
-                    outvals = higher(self, eqn, *invals)
+                    outvals = self.higher_order(eqn, *invals)
                 elif jeqn.primitive.name not in _compat.COMBINER_PRIMITIVES and any(
                     True for _ in _compat.jaxprs_in_params(jeqn.params)
                 ):

@@ -1,8 +1,9 @@
 """The precisions of `python -m lowtrain`: the factories the `precision` configs name
-(`_target_`), each returning a `lowtrain.train.Precision`, and the two matmul rules
-that make the FP8 baseline and scalify's FP8 path out of models written in plain
-JAX (`lowtrain.train.Rewrite` applies them to every `dot_general` and
-`conv_general_dilated`).
+(`_target_`), each returning a `lowtrain.train.Precision`, and the matmul rule of
+scalify's FP8 path. With `lowtrain.train.Rewrite` applied to every `dot_general` and
+`conv_general_dilated`, rules make the FP8 baseline (`naive_fp8_op`, which is
+`lowtrain.unit_scaling.fp8_cast_op`, the cast of `uu.simulate_fp8`) and scalify's
+FP8 path out of models written in plain JAX.
 
     python -m lowtrain recipe=mnist precision=fp8_naive
 """
@@ -13,50 +14,13 @@ import jax
 from jaxtyping import Array
 
 import lowtrain
-from lowtrain.fp8 import E4M3, E5M2, dequantize, quantize
+from lowtrain.fp8 import E4M3, E5M2
 from lowtrain.scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
 from lowtrain.train import Amp, Chain, Precision, Rewrite, Scalify
+from lowtrain.unit_scaling import MATMULS
+from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op
 
 from ._config import LossScale
-
-MATMULS = ("dot_general", "conv_general_dilated")
-
-
-def _fp8_round(x: Array, dtype) -> Array:
-    # Scale 1: `x` itself is cast, saturating at the format's max (448 for E4M3,
-    # 57344 for E5M2); magnitudes below half the smallest subnormal (2**-10 for E4M3,
-    # 2**-17 for E5M2) become 0. The result is in `x.dtype` again.
-    return dequantize(quantize(x, dtype, 1.0), 1.0, x.dtype)
-
-
-def naive_fp8_op(op, lhs: Array, rhs: Array) -> Array:
-    """`op(lhs, rhs)` with both operands cast to E4M3 and the cotangent to E5M2,
-    all with scale 1: FP8 without scaling, the baseline the `fp8` policy improves on.
-
-    `op` is bilinear (a matmul, an einsum, a convolution). Forward: `op` of the
-    E4M3-rounded operands. Backward: the output cotangent is rounded to E5M2 and both
-    gradients come from it and the E4M3 operands, as in `lowtrain.fp8`'s scaled path.
-    The rounding is `lowtrain.fp8.quantize` (saturating, round to nearest even).
-    Around it, `op` runs in whatever precision the caller's policy gives it: under
-    the "bf16" policy that is a bfloat16 matmul of FP8 values (exact: bfloat16 holds
-    every E4M3 and E5M2 value), accumulated in float32.
-    """
-
-    @jax.custom_vjp
-    def run(lhs, rhs):
-        return op(_fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3))
-
-    def fwd(lhs, rhs):
-        ql, qr = _fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3)
-        return op(ql, qr), (ql, qr)
-
-    def bwd(res, g):
-        _, vjp = jax.vjp(op, *res)
-        return vjp(_fp8_round(g, E5M2))
-
-    run.defvjp(fwd, bwd)
-    return run(lhs, rhs)
-
 
 def scalify_fp8_op(op, lhs: Array, rhs: Array) -> Array:
     """`op(lhs, rhs)` under the Scalify precision: both operands rescaled to unit

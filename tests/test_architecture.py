@@ -1,7 +1,8 @@
 """The layering of docs/architecture.md, checked on the source (an AST walk).
 
 core (`_compat`, `_eqn`, `_higher_order`, `_interpret`, `_pow2`, `_scopes`) <-
-transforms (`fp8`, `_amp`, `scalify`, `_loss_scale`, `_rewrite`) <- `train` <- the
+transforms (`fp8`, `_amp`, `scalify`, `_loss_scale`, `_rewrite`, `unit_scaling`) <-
+`train` <- the
 `lowtrain` package's public surface <- recipes and configs <- the app <- scripts.
 A module may import from its own layer or a lower one, never a higher one; no two
 modules and no two units (subpackages) import each other, directly or through
@@ -42,6 +43,7 @@ LAYERS = {
     "lowtrain.scalify": 1,
     "lowtrain._loss_scale": 1,
     "lowtrain._rewrite": 1,
+    "lowtrain.unit_scaling": 1,
     "lowtrain.train": 2,
     "lowtrain": 3,  # the package's __init__: the public surface
     "lowtrain.recipes": 4,

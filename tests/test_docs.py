@@ -11,8 +11,21 @@ import lowtrain
 import lowtrain.fp8
 import lowtrain.scalify
 import lowtrain.train
+import lowtrain.unit_scaling
+import lowtrain.unit_scaling.constraints
+import lowtrain.unit_scaling.functional
+import lowtrain.unit_scaling.optim
 
-MODULES = (lowtrain, lowtrain.fp8, lowtrain.scalify, lowtrain.train)
+MODULES = (
+    lowtrain,
+    lowtrain.fp8,
+    lowtrain.scalify,
+    lowtrain.train,
+    lowtrain.unit_scaling,
+    lowtrain.unit_scaling.constraints,
+    lowtrain.unit_scaling.functional,
+    lowtrain.unit_scaling.optim,
+)
 
 PUBLIC = [
     f"{module.__name__}.{name}"
@@ -22,6 +35,8 @@ PUBLIC = [
     and callable(getattr(module, name))
     and not isinstance(getattr(module, name), type(lowtrain))
     and not name.isupper()  # dtype constants such as E4M3
+    # lowtrain's own (not `Callable` or a type alias a module imports or defines)
+    and str(getattr(getattr(module, name), "__module__", "")).startswith("lowtrain")
 ]
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 

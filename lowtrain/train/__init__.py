@@ -12,5 +12,6 @@ from ._precisions import Amp as Amp
 from ._precisions import DelayedFp8 as DelayedFp8
 from ._precisions import Rewrite as Rewrite
 from ._precisions import Scalify as Scalify
+from ._precisions import UnitScale as UnitScale
 from ._state import TrainState as TrainState
 from ._trainer import Trainer as Trainer

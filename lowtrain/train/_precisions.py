@@ -1,4 +1,5 @@
-"""The `Precision`s lowtrain ships: `Amp`, `Scalify`, `DelayedFp8`, `Rewrite`."""
+"""The `Precision`s lowtrain ships: `Amp`, `Scalify`, `DelayedFp8`, `Rewrite`,
+`UnitScale`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
 from .._loss_scale import DynamicLossScale, NoOpLossScale, _LossScale
 from .._rewrite import Rule, rewrite
+from ..unit_scaling import constraints, unit_scale
 from ._precision import Precision, as_precision
 
 F32 = jnp.float32
@@ -191,6 +193,30 @@ class Rewrite(Precision):
 
 # The deprecated `transform=` argument: its values and the precisions they meant.
 _TRANSFORMS = {"amp": Amp, "scalify": Scalify}
+
+
+class UnitScale(Precision):
+    """`loss` receives `lowtrain.unit_scaling.unit_scale(model)`: a model written
+    without unit scaling (N(0, 1) weights, plain matmuls, `jax.nn` nonlinearities)
+    gets unit-scaling's forward and backward scales on each op. Chain it before a
+    plain FP8 cast (`[UnitScale(), Rewrite({...: fp8_cast_op}), Amp("bf16")]`).
+
+    ```python
+    import jax.numpy as jnp
+    from lowtrain.train import UnitScale
+
+    model = UnitScale().wrap_model(lambda x, w: x @ w)
+    assert model(jnp.ones((2, 16)), jnp.ones((16, 4)))[0, 0] == 4.0  # 16 / sqrt(16)
+    ```
+    """
+
+    constraint: Callable | None = eqx.field(static=True)
+
+    def __init__(self, constraint: Callable | None = constraints.gmean):
+        self.constraint = constraint
+
+    def wrap_model(self, model):
+        return unit_scale(model, constraint=self.constraint)
 
 
 def resolve(precision, policy, transform) -> Precision:

@@ -1,0 +1,131 @@
+"""Unit-scaled residual connections: `residual_split`, `residual_add`,
+`residual_apply`, and u-μP's rule for the weight `tau` of each branch in a
+transformer (`transformer_residual_scaling_rule`).
+
+A residual layer computes `(tau * f(x) + x) / sqrt(1 + tau**2)`: for a unit-RMS `x`
+and a branch `f` whose output has unit RMS too, the sum keeps unit RMS, and `tau` is
+the ratio of the branch's contribution to the skip's. The backward pass must keep the
+branch's *own* gradients unit as well, so the branch weight is applied to the
+gradient at the split (`residual_split`) and to the value at the add
+(`residual_add`), rather than both at the add as a plain implementation would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxtyping import Array, Float
+
+from ._scale import scale_bwd, scale_fwd
+
+
+def residual_split(
+    x: Float[Array, "*shape"], tau: float = 1.0
+) -> tuple[Float[Array, "*shape"], Float[Array, "*shape"]]:
+    """`(residual, skip)`: two copies of `x` for a residual layer, to be joined by
+    `residual_add` with the same `tau`.
+
+    Values: both equal to `x`. Gradients: the one reaching `x` from `residual` is
+    multiplied by `tau / sqrt(1 + tau**2)`, the one from `skip` by
+    `1 / sqrt(1 + tau**2)`; for unit-RMS, independent branch and skip gradients
+    their sum has unit RMS.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.unit_scaling.functional as U
+
+    residual, skip = U.residual_split(jnp.ones(3), tau=0.5)
+    assert (residual == 1).all() and (skip == 1).all()
+    ```
+    """
+    denom = (1 + tau**2) ** 0.5
+    return scale_bwd(x, tau / denom), scale_bwd(x, 1 / denom)
+
+
+def residual_add(
+    residual: Float[Array, "*shape"], skip: Float[Array, "*shape"], tau: float = 1.0
+) -> Float[Array, "*shape"]:
+    """`(tau * residual + skip) / sqrt(1 + tau**2)`, with the gradient of each input
+    equal to the output's (the branch weights were applied by `residual_split`).
+
+    Scales: output `tau / sqrt(1 + tau**2)` on `residual` and `1 / sqrt(1 + tau**2)`
+    on `skip` (unit RMS for unit-RMS, independent inputs); gradients 1.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.unit_scaling.functional as U
+
+    y = U.residual_add(jnp.ones(3), jnp.zeros(3), tau=1.0)
+    assert jnp.allclose(y, 2**-0.5)
+    ```
+    """
+    if residual.shape != skip.shape:
+        raise ValueError(
+            "`residual_add` expected `residual` and `skip` of one shape, got "
+            f"{tuple(residual.shape)} and {tuple(skip.shape)} instead."
+        )
+    denom = (1 + tau**2) ** 0.5
+    return scale_fwd(residual, tau / denom) + scale_fwd(skip, 1 / denom)
+
+
+def residual_apply(
+    fn: Callable[[Array], Array], x: Float[Array, "*shape"], tau: float = 1.0
+) -> Float[Array, "*shape"]:
+    """The residual layer `(tau * fn(x) + x) / sqrt(1 + tau**2)` with unit-scaled
+    gradients: `residual_split`, `fn` on the residual copy, `residual_add`.
+
+    Scales: as `residual_split` and `residual_add`; for a unit-scaled `fn` (unit
+    output and unit input gradient) the output and the gradient of `x` have unit RMS.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.unit_scaling.functional as U
+
+    w = jax.random.normal(jax.random.key(0), (64, 64))
+    x = jax.random.normal(jax.random.key(1), (32, 64))
+    y = U.residual_apply(lambda h: U.linear(h, w), x, tau=0.5)
+    assert 0.8 < jnp.sqrt(jnp.mean(y**2)) < 1.2
+    ```
+    """
+    residual, skip = residual_split(x, tau)
+    return residual_add(fn(residual), skip, tau)
+
+
+def transformer_residual_scaling_rule(
+    residual_mult: float = 1.0, residual_attn_ratio: float = 1.0
+) -> Callable[[int, int], float]:
+    """u-μP's depth rule for the branches of a transformer: a function
+    `tau(index, branches)` for the `index`-th of `branches` residual branches, which
+    alternate attention (even index) and MLP (odd index) after an embedding.
+
+    With `alpha_mlp = residual_mult * sqrt(2 / (1 + residual_attn_ratio**2))` and
+    `alpha_attn = residual_attn_ratio * alpha_mlp`, branch `index` gets
+    `tau = alpha / sqrt(branches / 2 + n_attn * alpha_attn**2 + n_mlp * alpha_mlp**2)`,
+    where `n_attn` and `n_mlp` count the attention and MLP branches before it. Then
+    every attention branch contributes the same variance to the output, every MLP
+    branch too; the attention branches together contribute `alpha_attn**2 / 2`
+    times the embedding's variance and the MLP branches `alpha_mlp**2 / 2` (their
+    ratio is `residual_attn_ratio**2`, their sum `2 * residual_mult**2` times the
+    embedding's), whatever the depth. At the defaults each third of the output
+    (embedding, attention, MLP) has the same variance, and
+    `tau = 1 / sqrt(layers + index)` for `branches = 2 * layers`. (Appendix G of
+    the u-μP paper.)
+
+    ```python
+    import lowtrain.unit_scaling as uu
+
+    tau = uu.transformer_residual_scaling_rule()
+    assert abs(tau(0, 8) - 4**-0.5) < 1e-12 and abs(tau(5, 8) - 9**-0.5) < 1e-12
+    ```
+    """
+    alpha_mlp = residual_mult * (2 / (1 + residual_attn_ratio**2)) ** 0.5
+    alpha_attn = residual_attn_ratio * alpha_mlp
+
+    def tau(index: int, branches: int) -> float:
+        n_attn, n_mlp = (index + 1) // 2, index // 2
+        alpha = alpha_attn if index % 2 == 0 else alpha_mlp
+        seen = n_attn * alpha_attn**2 + n_mlp * alpha_mlp**2
+        return alpha / (branches / 2 + seen) ** 0.5
+
+    return tau

@@ -1,0 +1,81 @@
+"""`simulate_fp8`: every matmul through FP8 by a plain cast (scale 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jaxtyping import Array
+
+from .._rewrite import rewrite
+from ..fp8 import E4M3, E5M2, dequantize, quantize
+
+MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _fp8_round(x: Array, dtype) -> Array:
+    # Scale 1: `x` itself is cast, saturating at the format's max (448 for E4M3,
+    # 57344 for E5M2); magnitudes below half the smallest subnormal (2**-10 for E4M3,
+    # 2**-17 for E5M2) become 0. The result is in `x.dtype` again.
+    return dequantize(quantize(x, dtype, 1.0), 1.0, x.dtype)
+
+
+def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
+    """`op(lhs, rhs)` with both operands cast to E4M3 and the cotangent to E5M2,
+    all with scale 1: FP8 without per-tensor scales (a `lowtrain.rewrite` rule).
+
+    `op` is bilinear (a matmul, an einsum, a convolution). Forward: `op` of the
+    E4M3-rounded operands. Backward: the output cotangent is rounded to E5M2 and both
+    gradients come from it and the E4M3 operands, as in `lowtrain.fp8`'s scaled path.
+    The rounding is `lowtrain.fp8.quantize` (saturating, round to nearest even).
+    Around it, `op` runs in whatever precision the caller's policy gives it: under
+    the "bf16" policy that is a bfloat16 matmul of FP8 values (exact: bfloat16 holds
+    every E4M3 and E5M2 value), accumulated in float32. A model whose tensors are
+    near unit scale (unit scaling) loses little; one whose are not (a standard GPT's
+    small activations and gradients) underflows: the recipes' `fp8_naive` baseline.
+
+    ```python
+    import jax.numpy as jnp
+    from lowtrain.unit_scaling import fp8_cast_op
+
+    y = fp8_cast_op(jnp.matmul, jnp.array([[1000.0, 0.3, 1e-4]]), jnp.ones((3, 1)))
+    assert float(y[0, 0]) == 448.0 + 0.3125  # saturated, rounded, flushed to zero
+    ```
+    """
+
+    @jax.custom_vjp
+    def run(lhs, rhs):
+        return op(_fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3))
+
+    def fwd(lhs, rhs):
+        ql, qr = _fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3)
+        return op(ql, qr), (ql, qr)
+
+    def bwd(res, g):
+        _, vjp = jax.vjp(op, *res)
+        return vjp(_fp8_round(g, E5M2))
+
+    run.defvjp(fwd, bwd)
+    return run(lhs, rhs)
+
+
+def simulate_fp8(fn: Callable) -> Callable:
+    """`fn` with every matmul and convolution through FP8 by a plain cast: operands
+    to E4M3 forward, the cotangent to E5M2 backward, scale 1, saturating
+    (`fp8_cast_op` on each `dot_general` and `conv_general_dilated`, by
+    `lowtrain.rewrite`). What unit scaling makes safe: compose as
+    `simulate_fp8(unit_scale(model))`, then `lowtrain.amp` around it for the rest.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.unit_scaling as uu
+
+    f = uu.simulate_fp8(lambda x, w: x @ w)
+    x = jnp.array([[1.0 + 2**-5, 1e-4]])
+    assert float(f(x, jnp.ones((2, 1)))[0, 0]) == 1.0  # 1 + 2**-5 rounds to 1 in E4M3
+    g = jax.grad(lambda x: f(x, jnp.ones((2, 1))).sum() * 1e-6)(x)
+    assert float(jnp.abs(g).max()) == 0.0  # 1e-6 is below E5M2's smallest subnormal
+    ```
+    """
+    return rewrite(fn, dict.fromkeys(MATMULS, fp8_cast_op))
