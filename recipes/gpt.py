@@ -26,9 +26,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from omegaconf import DictConfig
 
 import lowtrain
+import lowtrain.unit_scaling as uu
+import lowtrain.unit_scaling.functional as U
 
 from . import _common
-from ._config import Config, GPTConfig, TextDataConfig
+from ._config import Config, GPTConfig, GPTUnitConfig, TextDataConfig
 from ._layers import LayerNorm, Linear, decay_mask
 from ._text_data import CharText, Crops, load_text
 
@@ -119,6 +121,24 @@ class GptTrainer(lowtrain.Trainer):
         return -jnp.mean(picked)
 
 
+class UnitGptTrainer(lowtrain.Trainer):
+    """The same loss for the unit-scaled GPT (`model=gpt_unit`): `U.cross_entropy`,
+    the true mean value with a unit-scaled gradient."""
+
+    def loss(self, model, batch, *, key):
+        return U.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def build_model(m: GPTConfig | GPTUnitConfig, vocab: int, *, key):
+    """The GPT `model=gpt` or `model=gpt_unit` describes, and its Trainer class."""
+    if isinstance(m, GPTUnitConfig):
+        model = uu.TransformerDecoder(
+            m.n_embd, vocab, layers=m.n_layer, heads=m.n_head, key=key
+        )
+        return model, UnitGptTrainer
+    return GPT(m, vocab, key=key), GptTrainer
+
+
 def generate(model, prompt: np.ndarray, length: int, *, key, temperature=0.8):
     """`length` characters sampled after `prompt` at `temperature` (the last
     `len(prompt)` characters are the context; one compiled forward per character)."""
@@ -139,10 +159,11 @@ def generate(model, prompt: np.ndarray, length: int, *, key, temperature=0.8):
 def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
     """Train the char-level GPT as `config` says, writing to `out`; returns results."""
     if not isinstance(config.data, TextDataConfig) or not isinstance(
-        config.model, GPTConfig
+        config.model, GPTConfig | GPTUnitConfig
     ):
         raise ValueError(
-            "Expected model=gpt and data=shakespeare or data=text for the GPT "
+            "Expected model=gpt or model=gpt_unit and data=shakespeare or data=text "
+            "for the GPT "
             f"recipe, got {type(config.model).__name__} and "
             f"{type(config.data).__name__} instead."
         )
@@ -153,10 +174,10 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
     eval_data = [val(i) for i in range(d.eval_batches)]
     steps = _common.total_steps(config, None)
     model_key, state_key = jax.random.split(jax.random.key(t.seed))
-    model = GPT(m, len(chars.vocab), key=model_key)
-    trainer = GptTrainer(
+    model, trainer_class = build_model(m, len(chars.vocab), key=model_key)
+    trainer = trainer_class(
         model,
-        _common.optimizer(cfg, steps, decay_mask),
+        _common.optimizer(cfg, steps, decay_mask, model),
         **_common.trainer_options(config),
     )
     state = _common.fit(

@@ -20,9 +20,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt8
 from omegaconf import DictConfig
 
 import lowtrain
+import lowtrain.unit_scaling as uu
+import lowtrain.unit_scaling.functional as U
 
 from . import _common
-from ._config import CNNConfig, Config, MLPConfig, MnistDataConfig
+from ._config import CNNConfig, Config, MLPConfig, MLPUnitConfig, MnistDataConfig
 from ._layers import Conv2d, Linear, decay_mask
 from ._mnist_data import load_mnist
 
@@ -78,14 +80,39 @@ class CNN(eqx.Module):
         return self.head[1](x)
 
 
+class UnitMLP(eqx.Module):
+    """The MLP unit-scaled (`model=mlp_unit`): `uu.Linear` layers with `U.gelu`,
+    then a `uu.LinearReadout`: `(B, 28, 28) -> (B, 10)` logits."""
+
+    layers: tuple[uu.Linear, ...]
+    readout: uu.LinearReadout
+
+    def __init__(self, hidden=(512, 512), *, key: PRNGKeyArray):
+        sizes = (784, *hidden)
+        keys = jax.random.split(key, len(sizes))
+        self.layers = tuple(
+            uu.Linear(n, m, key=k) for n, m, k in zip(sizes[:-1], sizes[1:], keys)
+        )
+        self.readout = uu.LinearReadout(sizes[-1], 10, key=keys[-1])
+
+    def __call__(self, images: Float[Array, "B 28 28"]) -> Float[Array, "B 10"]:
+        x = images.reshape(images.shape[0], 784)
+        for layer in self.layers:
+            x = U.gelu(layer(x))
+        return self.readout(x)
+
+
 def build_model(config: Config, *, key: PRNGKeyArray) -> eqx.Module:
     m = config.model
     if isinstance(m, MLPConfig):
         return MLP(tuple(m.hidden), key=key)
+    if isinstance(m, MLPUnitConfig):
+        return UnitMLP(tuple(m.hidden), key=key)
     if isinstance(m, CNNConfig):
         return CNN(tuple(m.channels), m.hidden, key=key)
     raise ValueError(
-        f"Expected model=mlp or model=cnn for MNIST, got {type(m).__name__} instead."
+        "Expected model=mlp, model=mlp_unit or model=cnn for MNIST, got "
+        f"{type(m).__name__} instead."
     )
 
 
@@ -97,15 +124,24 @@ def cross_entropy(logits: Float[Array, "B K"], labels: Int[Array, " B"]):
 class MnistTrainer(lowtrain.Trainer):
     """Cross-entropy on uint8 images; logs the batch accuracy next to the loss."""
 
+    cross_entropy = staticmethod(cross_entropy)
+
     def loss(self, model, batch, *, key):
         logits = model(normalize(batch["x"]))  # f32 logits, whatever the precision
         labels = batch["y"].astype(jnp.int32)
         accuracy = jnp.mean(jnp.argmax(logits, 1) == labels)
-        return cross_entropy(logits, labels), {"accuracy": accuracy}
+        return self.cross_entropy(logits, labels), {"accuracy": accuracy}
 
     def evaluate(self, model, batch):
         loss, aux = self.loss(model, batch, key=None)
         return {"loss": loss, "accuracy": aux["accuracy"]}
+
+
+class UnitMnistTrainer(MnistTrainer):
+    """For `model=mlp_unit`: `U.cross_entropy`, the same value with a unit-scaled
+    gradient."""
+
+    cross_entropy = staticmethod(U.cross_entropy)
 
 
 def normalize(images: UInt8[Array, "B 28 28"]) -> Float[Array, "B 28 28"]:
@@ -133,9 +169,10 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
     steps = _common.total_steps(config, train_data.steps_per_epoch)
     model_key, state_key = jax.random.split(jax.random.key(t.seed))
     model = build_model(config, key=model_key)
-    trainer = MnistTrainer(
+    trainer_class = UnitMnistTrainer if isinstance(model, UnitMLP) else MnistTrainer
+    trainer = trainer_class(
         model,
-        _common.optimizer(cfg, steps, decay_mask),
+        _common.optimizer(cfg, steps, decay_mask, model),
         **_common.trainer_options(config),
     )
     state = _common.fit(

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+
+import lowtrain.unit_scaling as uu
 
 SCHEDULES = ("cosine", "constant")
 
@@ -74,6 +77,7 @@ def adamw(
     *,
     total_steps: int,
     decay_mask: Callable | None = None,
+    model: Any = None,
     lr: float = 1e-3,
     b1: float = 0.9,
     b2: float = 0.999,
@@ -84,6 +88,7 @@ def adamw(
     clip_norm: float | None = None,
 ) -> optax.GradientTransformation:
     """AdamW with a warmup + cosine (or constant) schedule, optional clipping.
+    (`model` is not read: the standard parametrisation needs nothing from it.)
 
     ```python
     from lowtrain.recipes import optim
@@ -104,6 +109,7 @@ def sgd(
     *,
     total_steps: int,
     decay_mask: Callable | None = None,
+    model: Any = None,
     lr: float = 0.1,
     momentum: float = 0.9,
     nesterov: bool = False,
@@ -129,4 +135,39 @@ def sgd(
     if weight_decay:
         decay = optax.add_decayed_weights(weight_decay, mask=decay_mask)
         tx = optax.chain(decay, tx)
+    return _finish(tx, clip_norm)
+
+
+def umup_adamw(
+    *,
+    total_steps: int,
+    model: Any,
+    decay_mask: Callable | None = None,
+    lr: float = 0.1,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    weight_decay: float = 0.0,
+    warmup_steps: int = 0,
+    schedule: str = "cosine",
+    min_lr: float = 0.0,
+    clip_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """`lowtrain.unit_scaling.optim.adamw` (u-μP: each parameter's learning rate
+    from its kind, fan-in and depth in `model`) under `adamw`'s schedule; weight
+    decay is u-μP's (decoupled, independent of the learning rate), on every
+    parameter (`decay_mask` is not read).
+
+    ```python
+    import jax
+    import lowtrain.unit_scaling as uu
+    from lowtrain.recipes import optim
+
+    model = uu.Linear(4, 4, key=jax.random.key(0))
+    tx = optim.umup_adamw(total_steps=100, model=model, lr=0.1, warmup_steps=10)
+    ```
+    """
+    sched = make_schedule(lr, total_steps, warmup_steps, schedule, min_lr)
+    tx = uu.optim.adamw(
+        sched, b1, b2, weight_decay=weight_decay, model=model, peak_learning_rate=lr
+    )
     return _finish(tx, clip_norm)

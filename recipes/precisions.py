@@ -10,7 +10,6 @@ FP8 path out of models written in plain JAX.
 
 from __future__ import annotations
 
-import jax
 from jaxtyping import Array
 
 import lowtrain
@@ -21,6 +20,7 @@ from lowtrain.unit_scaling import MATMULS
 from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op
 
 from ._config import LossScale
+
 
 def scalify_fp8_op(op, lhs: Array, rhs: Array) -> Array:
     """`op(lhs, rhs)` under the Scalify precision: both operands rescaled to unit
