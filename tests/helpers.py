@@ -1,9 +1,13 @@
 """What several test files share: jaxpr inspection, tree comparison, small models
-and data for the Trainer tests, and one program with every higher-order primitive.
+and data for the Trainer tests, one program with every higher-order primitive, the
+reference models and fake MNIST files.
 
 The larger reference models (the GPT, the MLP) are the recipes' own:
-`lowtrain.recipes.gpt.GPT`, `lowtrain.recipes.mnist.MLP`.
+`lowtrain.recipes.gpt.GPT`, `lowtrain.recipes.mnist.MLP`; `tiny_gpt` and `tiny_mlp`
+build small ones. Test files import from here, never from each other.
 """
+
+import gzip
 
 import equinox as eqx
 import jax
@@ -14,6 +18,8 @@ from jax import lax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import lowtrain
+from lowtrain.recipes import gpt, mnist
+from lowtrain.recipes._config import GPTConfig
 
 
 def iter_eqns(jaxpr):
@@ -116,3 +122,85 @@ def same_bits(a, b):
         x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
         for x, y in zip(a, b)
     )
+
+
+# -- the reference models: the recipes' GPT and MLP ---------------------------------
+
+
+def tiny_gpt(
+    key,
+    *,
+    vocab=16,
+    n_layer=1,
+    n_head=2,
+    n_embd=16,
+    block_size=8,
+    scan_layers=True,
+):
+    """The recipes' GPT (`lowtrain.recipes.gpt.GPT`) with a tiny config: `(B, T)` int
+    tokens (`T <= block_size`) -> `(B, T, vocab)` logits. Its blocks are stacked and
+    run under `lax.scan` (one block still makes a scan; each more costs compile
+    time, under `amp` too)."""
+    config = GPTConfig(n_layer, n_head, n_embd, block_size, scan_layers)
+    return gpt.GPT(config, vocab, key=key)
+
+
+def gpt_matmuls(model):
+    """The `dot_general`s in the program of one forward pass of a GPT: qkv, the two
+    attention einsums, proj, fc and out in each block (in the one scan body when its
+    blocks run under `lax.scan`), and the tied head."""
+    n_layer = model.blocks.qkv.kernel.shape[0]
+    return 6 * (1 if model.scan_layers else n_layer) + 1
+
+
+def gpt_loss(model, tokens, targets):
+    """Mean next-token cross-entropy in float32, as `recipes.gpt.GptTrainer` computes
+    it; any model of `(..., V)` logits and `(...)` int targets (the MLP's too)."""
+    logits = model(tokens).astype(jnp.float32)  # (B, T, V)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+
+
+# The float32 reference for tests comparing against one: compiled once, for every
+# test with the same shapes (eager, the scan over the blocks costs seconds a call).
+gpt_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(gpt_loss))
+
+
+def gpt_batches(key, n, *, batch_size=4, length=8, vocab=16):
+    """`n` `(tokens, targets)` pairs of int32 arrays of shape `(batch_size, length)`,
+    drawn from `key`, with something to learn: every odd position holds its left
+    neighbour plus one. (Made with NumPy: no compilation.)"""
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    data = rng.integers(0, vocab, (n, batch_size, length + 1), dtype=np.int32)
+    data[..., 1::2] = (data[..., ::2][..., : data[..., 1::2].shape[-1]] + 1) % vocab
+    return [(jnp.asarray(d[:, :-1]), jnp.asarray(d[:, 1:])) for d in data]
+
+
+def tiny_mlp(key, hidden=(16,)):
+    """The recipes' MLP (`lowtrain.recipes.mnist.MLP`): `(B, 28, 28)` or `(B, 784)`
+    floats -> `(B, 10)` logits."""
+    return mnist.MLP(hidden, key=key)
+
+
+# -- fake MNIST IDX files ------------------------------------------------------------
+
+
+def write_idx(path, array, *, gz=True):
+    array = np.asarray(array, np.uint8)
+    dims = b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    raw = bytes([0, 0, 8, array.ndim]) + dims + array.tobytes()
+    path.write_bytes(gzip.compress(raw) if gz else raw)
+
+
+def fake_mnist(folder, n_train=256, n_test=64, *, gz=True, seed=0):
+    """Tiny learnable MNIST-shaped IDX files: class k has a bright row 2k + 4."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        y = rng.integers(0, 10, n).astype(np.uint8)
+        x = rng.integers(0, 40, (n, 28, 28)).astype(np.uint8)
+        x[np.arange(n), 2 * y + 4, 4:24] = 255
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", x, gz=gz)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", y, gz=gz)
+    return folder

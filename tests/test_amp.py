@@ -10,7 +10,18 @@ from jax import lax
 import lowtrain
 from lowtrain import _compat
 
-from .helpers import eqns_of, float_in_dtypes, iter_eqns, make_jaxpr, tree_allclose
+from .helpers import (
+    eqns_of,
+    float_in_dtypes,
+    gpt_batches,
+    gpt_loss,
+    gpt_matmuls,
+    gpt_value_and_grad,
+    iter_eqns,
+    make_jaxpr,
+    tiny_gpt,
+    tree_allclose,
+)
 
 F32 = np.dtype("float32")
 HALF = {"fp16": np.dtype("float16"), "bf16": np.dtype(jnp.bfloat16)}
@@ -46,31 +57,45 @@ def mlp_apply(mlp, x):
     return jax.vmap(mlp)(x)
 
 
-def check_model(model, x, policy, maybe_jit, *, rtol, atol, min_matmuls):
+def check_model(
+    model,
+    args,
+    policy,
+    maybe_jit,
+    *,
+    rtol,
+    atol,
+    min_matmuls,
+    fwd=mlp_apply,
+    loss=None,
+    reference=None,
+):
+    """`fwd(model, *args)` and the gradient of `loss(model, *args)` (by default the
+    mean square of `fwd`) under `amp`: every matmul in half, forward and backward,
+    values and gradients close to float32's (`reference(model, *args)`, by default
+    `loss`'s value and gradient). Returns both gradients."""
     half = HALF[policy]
     amp_model = lowtrain.amp(model, policy)
+    if loss is None:
+        loss = lambda m, *args: jnp.mean(fwd(m, *args) ** 2)
 
-    def fwd(m, x):
-        return jax.vmap(m)(x)
-
-    jaxpr = make_jaxpr(maybe_jit(fwd))(amp_model, x)
+    jaxpr = make_jaxpr(maybe_jit(fwd))(amp_model, *args)
     check_program(jaxpr, half, min_matmuls=min_matmuls)
 
-    def loss(m, x):
-        return jnp.mean(fwd(m, x) ** 2)
-
     grad_fn = maybe_jit(eqx.filter_value_and_grad(loss))
-    back = make_jaxpr(grad_fn)(amp_model, x)
+    back = make_jaxpr(grad_fn)(amp_model, *args)
     # Forward, weight-gradient and (but for the first layer) input-gradient matmuls.
     check_program(back, half, min_matmuls=3 * min_matmuls - 1)
 
-    value, grads = grad_fn(amp_model, x)
-    ref_value, ref_grads = eqx.filter_value_and_grad(loss)(model, x)
+    value, grads = grad_fn(amp_model, *args)
+    reference = reference or eqx.filter_value_and_grad(loss)
+    ref_value, ref_grads = reference(model, *args)
     assert value.dtype == F32
     assert_grads_f32(grads)
     assert isinstance(grads, type(amp_model))
     np.testing.assert_allclose(value, ref_value, rtol=rtol, atol=atol)
     assert tree_allclose(grads.fn, ref_grads, rtol=rtol, atol=atol)
+    return grads.fn, ref_grads
 
 
 TOL = {"fp16": dict(rtol=2e-2, atol=2e-3), "bf16": dict(rtol=6e-2, atol=1e-2)}
@@ -80,7 +105,7 @@ TOL = {"fp16": dict(rtol=2e-2, atol=2e-3), "bf16": dict(rtol=6e-2, atol=1e-2)}
 def test_mlp(policy, maybe_jit, getkey):
     mlp = eqx.nn.MLP(16, 8, 32, 3, key=getkey())
     x = jax.random.normal(getkey(), (4, 16))
-    check_model(mlp, x, policy, maybe_jit, min_matmuls=4, **TOL[policy])
+    check_model(mlp, (x,), policy, maybe_jit, min_matmuls=4, **TOL[policy])
 
 
 class ConvNet(eqx.Module):
@@ -104,39 +129,40 @@ class ConvNet(eqx.Module):
 def test_conv_net(policy, maybe_jit, getkey):
     net = ConvNet(getkey())
     x = jax.random.normal(getkey(), (2, 1, 8, 8))
-    check_model(net, x, policy, maybe_jit, min_matmuls=3, **TOL[policy])
+    check_model(net, (x,), policy, maybe_jit, min_matmuls=3, **TOL[policy])
     convs = eqns_of(lowtrain.amp(net, policy), x[0], prim="conv_general_dilated")
     assert len(convs) == 2
 
 
-class Block(eqx.Module):
-    ln1: eqx.nn.LayerNorm
-    attn: eqx.nn.MultiheadAttention
-    ln2: eqx.nn.LayerNorm
-    mlp: eqx.nn.MLP
-
-    def __init__(self, d, heads, key):
-        k1, k2 = jax.random.split(key)
-        self.ln1 = eqx.nn.LayerNorm(d)
-        self.attn = eqx.nn.MultiheadAttention(heads, d, key=k1)
-        self.ln2 = eqx.nn.LayerNorm(d)
-        self.mlp = eqx.nn.MLP(d, d, 4 * d, 1, activation=jax.nn.gelu, key=k2)
-
-    def __call__(self, x):  # x: (seq, d)
-        h = jax.vmap(self.ln1)(x)
-        x = x + self.attn(h, h, h)
-        return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
-
-
 @pytest.mark.parametrize("policy", ["fp16", "bf16"])
-def test_transformer_block(policy, maybe_jit, getkey):
-    block = Block(16, 4, getkey())
-    x = jax.random.normal(getkey(), (2, 6, 16))
-    check_model(block, x, policy, maybe_jit, min_matmuls=8, **TOL[policy])
-    # softmax, layer norm and GELU's tanh all ran in float32.
-    amp_block = lowtrain.amp(block, policy)
-    names = {e.primitive.name for e in eqns_of(amp_block, x[0])}
-    assert {"exp", "rsqrt", "tanh", "reduce_sum", "div"} <= names
+def test_gpt(policy, maybe_jit, getkey):
+    # The recipes' GPT: its blocks under `lax.scan`, causal attention, layer norms,
+    # GELU, a tied head, and the cross-entropy.
+    gpt = tiny_gpt(getkey())
+    ((tokens, targets),) = gpt_batches(getkey(), 1, batch_size=2, length=6)
+    grads, ref_grads = check_model(
+        gpt,
+        (tokens, targets),
+        policy,
+        maybe_jit,
+        fwd=lambda m, tokens, _: m(tokens),
+        loss=gpt_loss,
+        reference=gpt_value_and_grad,
+        min_matmuls=gpt_matmuls(gpt),
+        **TOL[policy],
+    )
+    # The layer norms' gradients (~1e-3) are below `atol`: every leaf is also held to
+    # `rtol` of its largest entry.
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        err = np.max(np.abs(np.asarray(g) - np.asarray(r)))
+        assert err <= TOL[policy]["rtol"] * np.max(np.abs(np.asarray(r)))
+    # Softmax, layer norm and the exact GELU's erfc all ran in float32 (check_program
+    # holds every op of F32_PRIMS to float32), inside the scan over the blocks.
+    sensitive = {"exp", "rsqrt", "erfc", "reduce_sum", "div"}
+    assert sensitive <= F32_PRIMS
+    amp_gpt = lowtrain.amp(gpt, policy)
+    (scan,) = eqns_of(amp_gpt, tokens, prim="scan")
+    assert sensitive <= {e.primitive.name for e in iter_eqns(scan.params["jaxpr"])}
 
 
 class Stack(eqx.Module):
@@ -163,7 +189,7 @@ class Stack(eqx.Module):
 def test_scan_stack(policy, maybe_jit, getkey):
     stack = Stack(3, 8, getkey())
     x = jax.random.normal(getkey(), (2, 8))
-    check_model(stack, x, policy, maybe_jit, min_matmuls=1, **TOL[policy])
+    check_model(stack, (x,), policy, maybe_jit, min_matmuls=1, **TOL[policy])
     scans = eqns_of(lowtrain.amp(stack, policy), x[0], prim="scan")
     assert len(scans) == 1
     body_dots = [
@@ -504,20 +530,21 @@ def _residual_bytes(fn, *args):
 
 @pytest.mark.parametrize("policy", ["fp16", "bf16"])
 def test_residuals_half(policy, getkey):
-    block = Block(32, 4, getkey())
-    x = jax.random.normal(getkey(), (4, 16, 32))
+    gpt = tiny_gpt(getkey())
+    ((tokens, targets),) = gpt_batches(getkey(), 1, batch_size=2, length=8)
     p = lowtrain.get_policy(policy)
     half = lowtrain.Policy(
         p.param_dtype, p.compute_dtype, p.output_dtype, residuals="half"
     )
-    loss = lambda m, x: jnp.mean(jax.vmap(m)(x) ** 2)
-    params, static = eqx.partition(block, eqx.is_array)
-    as_fn = lambda pol: lambda ps: loss(lowtrain.amp(eqx.combine(ps, static), pol), x)
-    full = _residual_bytes(lambda ps: loss(eqx.combine(ps, static), x), params)
+    loss = lambda m: gpt_loss(m, tokens, targets)
+    params, static = eqx.partition(gpt, eqx.is_array)
+    as_fn = lambda pol: lambda ps: loss(lowtrain.amp(eqx.combine(ps, static), pol))
+    full = _residual_bytes(lambda ps: loss(eqx.combine(ps, static)), params)
     saved_all = _residual_bytes(as_fn(p), params)
     saved_half = _residual_bytes(as_fn(half), params)
     # Only half-precision values are saved; float32 ones are recomputed.
     assert saved_half < 0.55 * full < saved_all
-    g_all = jax.grad(as_fn(p))(params)
-    g_half = jax.grad(as_fn(half))(params)
+    # Both in one compiled program (eagerly, the scan compiles piece by piece).
+    grads = lambda ps: (jax.grad(as_fn(p))(ps), jax.grad(as_fn(half))(ps))
+    g_all, g_half = jax.jit(grads)(params)
     assert tree_allclose(g_all, g_half, rtol=1e-2, atol=1e-3)

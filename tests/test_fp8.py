@@ -11,8 +11,14 @@ import pytest
 import lowtrain
 import lowtrain.fp8 as fp8
 
-from .helpers import make_jaxpr
-from .test_amp import Block
+from .helpers import (
+    gpt_batches,
+    gpt_loss,
+    gpt_matmuls,
+    gpt_value_and_grad,
+    make_jaxpr,
+    tiny_gpt,
+)
 
 F8 = {np.dtype(fp8.E4M3), np.dtype(fp8.E5M2)}
 DN = (((1,), (0,)), ((), ()))
@@ -168,6 +174,7 @@ def _check_all_dots_fp8(jaxpr, min_dots):
     assert len(sources) >= min_dots
     for s in sources:
         assert None not in s, f"a matmul with a non-FP8 operand: {s}"
+    return sources
 
 
 def test_fp8_policy(getkey):
@@ -179,25 +186,37 @@ def test_fp8_policy(getkey):
         lowtrain.Policy(rules={"exp": "fp8"})
 
 
-@pytest.mark.parametrize("model_name", ["mlp", "block"])
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
 def test_amp_fp8_every_dot_is_fp8(model_name, maybe_jit, getkey):
     if model_name == "mlp":
-        model, x, n_dots = eqx.nn.MLP(8, 4, 16, 2, key=getkey()), (5, 8), 3
+        model, n_dots = eqx.nn.MLP(8, 4, 16, 2, key=getkey()), 3
+        x = jax.random.normal(getkey(), (5, 8))
+        loss = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
+        reference = eqx.filter_value_and_grad(loss)
     else:
-        model, x, n_dots = Block(16, 4, getkey()), (2, 6, 16), 8
-    x = jax.random.normal(getkey(), x)
+        # The recipes' GPT, its blocks under `lax.scan`, and the cross-entropy.
+        model = tiny_gpt(getkey())
+        n_dots = gpt_matmuls(model)
+        ((tokens, targets),) = gpt_batches(getkey(), 1, batch_size=2, length=6)
+        loss = lambda m: gpt_loss(m, tokens, targets)
+        reference = lambda m: gpt_value_and_grad(m, tokens, targets)
     amp_model = lowtrain.amp(model, "fp8")
-    loss = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
     _check_all_dots_fp8(make_jaxpr(maybe_jit(loss))(amp_model), n_dots)
     grad_fn = maybe_jit(eqx.filter_value_and_grad(loss))
-    _check_all_dots_fp8(make_jaxpr(grad_fn)(amp_model), 3 * n_dots - 1)
+    sources = _check_all_dots_fp8(make_jaxpr(grad_fn)(amp_model), 3 * n_dots - 1)
+    # Every backward matmul takes the E5M2 cotangent: both input gradients of each
+    # matmul but the first layer's (whose input needs none).
+    backward = [s for s in sources if "float8_e5m2" in s]
+    assert len(backward) >= 2 * n_dots - 1
+    assert all(set(s) == {"float8_e4m3fn", "float8_e5m2"} for s in backward)
     value, grads = grad_fn(amp_model)
-    ref_value, ref_grads = eqx.filter_value_and_grad(loss)(model)
+    ref_value, ref_grads = reference(model)
     assert value.dtype == jnp.float32
     np.testing.assert_allclose(value, ref_value, rtol=0.1)
     # E4M3 keeps 3 mantissa bits and E5M2 2: per-leaf gradient errors of 10-20% on
     # these tiny layers, much less over the whole gradient.
     ours, ref = jax.tree.leaves(grads.fn), jax.tree.leaves(ref_grads)
+    assert len(ours) == len(ref)
     assert all(g.dtype == jnp.float32 for g in ours)
     assert all(_rel_err(g, r) < 0.3 for g, r in zip(ours, ref))
     flat = lambda t: jnp.concatenate([jnp.ravel(v) for v in t])

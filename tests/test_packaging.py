@@ -10,7 +10,7 @@ import sysconfig
 
 import pytest
 
-from .test_recipes import fake_mnist
+from .helpers import fake_mnist
 
 ROOT = pathlib.Path(__file__).parent.parent
 

@@ -35,7 +35,7 @@ from lowtrain.recipes import (
 from lowtrain.recipes._prefetch import Prefetch
 from lowtrain.recipes.precisions import naive_fp8_op
 
-from .helpers import iter_eqns
+from .helpers import fake_mnist, iter_eqns
 
 RECIPES = [
     f"{task}{suffix}"
@@ -207,27 +207,6 @@ def test_conf_is_package_data():
 
 
 # -- data -------------------------------------------------------------------------
-
-
-def write_idx(path, array, *, gz=True):
-    array = np.asarray(array, np.uint8)
-    dims = b"".join(int(d).to_bytes(4, "big") for d in array.shape)
-    raw = bytes([0, 0, 8, array.ndim]) + dims + array.tobytes()
-    path.write_bytes(gzip.compress(raw) if gz else raw)
-
-
-def fake_mnist(folder, n_train=256, n_test=64, *, gz=True, seed=0):
-    """Tiny learnable MNIST-shaped IDX files: class k has a bright row 2k + 4."""
-    rng = np.random.default_rng(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    suffix = ".gz" if gz else ""
-    for prefix, n in (("train", n_train), ("t10k", n_test)):
-        y = rng.integers(0, 10, n).astype(np.uint8)
-        x = rng.integers(0, 40, (n, 28, 28)).astype(np.uint8)
-        x[np.arange(n), 2 * y + 4, 4:24] = 255
-        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", x, gz=gz)
-        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", y, gz=gz)
-    return folder
 
 
 @pytest.mark.parametrize("gz", [True, False])

@@ -1,5 +1,7 @@
 """`lowtrain.scalify`: every rule against float32, scales end to end, training steps."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,14 +10,23 @@ import optax
 import pytest
 from jax import lax
 
+import lowtrain
 import lowtrain.fp8 as fp8
 import lowtrain.scalify as sc
+from lowtrain.recipes.precisions import MATMULS, scalify_fp8_op
 
-from .helpers import iter_eqns
+from .helpers import (
+    gpt_batches,
+    gpt_loss,
+    gpt_matmuls,
+    iter_eqns,
+    make_jaxpr,
+    tiny_gpt,
+    tiny_mlp,
+)
 
 F16 = jnp.float16
 BIG, TINY = 1e6, 1e-9  # float16 holds neither (max 65504, smallest subnormal 6e-8)
-DN = (((1,), (0,)), ((), ()))
 
 
 def _rand(key, shape, mag, positive=False):
@@ -335,70 +346,23 @@ def test_cast_fp8_forward_e4m3_backward_e5m2():
 # -- training steps --------------------------------------------------------------------
 
 
-class GPT(eqx.Module):
-    """A tiny nanoGPT: embeddings, pre-LayerNorm blocks under lax.scan, causal
-    attention, GELU MLP, cross-entropy."""
-
-    wte: jax.Array
-    wpe: jax.Array
-    blocks: dict
-    head: jax.Array
-    n_heads: int = eqx.field(static=True)
-
-    def __init__(self, vocab, d, heads, layers, block, key):
-        ks = jax.random.split(key, 7)
-        init = lambda k, *s: jax.random.normal(k, s) * 0.02 * 4
-        self.wte, self.wpe = init(ks[0], vocab, d), init(ks[1], block, d)
-        self.blocks = {
-            "ln1": jnp.ones((layers, d)),
-            "qkv": init(ks[2], layers, d, 3 * d),
-            "proj": init(ks[3], layers, d, d),
-            "ln2": jnp.ones((layers, d)),
-            "fc": init(ks[4], layers, d, 4 * d),
-            "out": init(ks[5], layers, 4 * d, d),
-        }
-        self.head = init(ks[6], d, vocab)
-        self.n_heads = heads
-
-    def __call__(self, tokens, matmul):
-        T = tokens.shape[-1]
-        x = self.wte[tokens] + self.wpe[None, :T]  # (B, T, d)
-
-        def ln(x, g):
-            mu = jnp.mean(x, -1, keepdims=True)
-            var = jnp.mean(jnp.square(x - mu), -1, keepdims=True)
-            return (x - mu) * lax.rsqrt(var + 1e-5) * g
-
-        def mm(a, b):  # (..., k) @ (k, n)
-            return matmul(a, b, (((a.ndim - 1,), (0,)), ((), ())))
-
-        def block(x, p):
-            B, T, d = x.shape
-            h = self.n_heads
-            q, k, v = jnp.split(mm(ln(x, p["ln1"]), p["qkv"]), 3, axis=-1)
-            q, k, v = (
-                t.reshape(B, T, h, d // h).transpose(0, 2, 1, 3) for t in (q, k, v)
-            )
-            att = matmul(q, k, (((3,), (3,)), ((0, 1), (0, 1)))) / (d // h) ** 0.5
-            mask = jnp.tril(jnp.ones((T, T), bool))
-            att = jax.nn.softmax(jnp.where(mask, att, -jnp.inf), axis=-1)
-            y = matmul(att, v, (((3,), (2,)), ((0, 1), (0, 1))))  # (B, h, T, d/h)
-            x = x + mm(y.transpose(0, 2, 1, 3).reshape(B, T, d), p["proj"])
-            return x + mm(jax.nn.gelu(mm(ln(x, p["ln2"]), p["fc"])), p["out"]), None
-
-        x, _ = lax.scan(block, x, self.blocks)
-        return mm(x, self.head)
+# Every matmul through scalify's FP8 casts, as the recipes' `precision=scalify_fp8`
+# does: operands rescaled to unit RMS and cast to E4M3, cotangents to E5M2.
+FP8_RULES = dict.fromkeys(MATMULS, scalify_fp8_op)
 
 
-def _loss(model, tokens, targets, matmul):
-    logits = model(tokens, matmul)
-    logp = jax.nn.log_softmax(logits.astype(logits.dtype), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
+def _fp8_loss(model, tokens, targets):
+    return gpt_loss(lowtrain.rewrite(model, FP8_RULES), tokens, targets)
 
 
-def _make_step(opt, matmul):
+LOSSES = {"fp16": gpt_loss, "fp8": _fp8_loss}
+# Module-level, so that `_compiled_step` finds them again.
+ADAM, SGD = optax.adam(3e-3), optax.sgd(0.2)
+
+
+def _make_step(opt, loss_fn):
     def step(model, opt_state, tokens, targets):
-        loss, grads = jax.value_and_grad(_loss)(model, tokens, targets, matmul)
+        loss, grads = jax.value_and_grad(loss_fn)(model, tokens, targets)
         # The optimizer's arithmetic in float32 (Adam squares the gradients: float16
         # data would lose the small entries); the weights stay float16.
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
@@ -408,16 +372,27 @@ def _make_step(opt, matmul):
     return step
 
 
-def _run(model, steps, batches, opt, matmul, scaled_dtype=None):
-    step = _make_step(opt, matmul)
+@functools.cache
+def _compiled_step(opt, loss_fn, scaled):
+    # One per (optimizer, loss, scaled): the float32 reference compiles once for the
+    # fp16 and fp8 cases.
+    step = _make_step(opt, loss_fn)
+    return eqx.filter_jit(sc.scalify(step) if scaled else step)
+
+
+@eqx.filter_jit  # (one compilation, not one per leaf and operation)
+def _init(model, opt, scaled_dtype):
     opt_state = opt.init(model)
-    if scaled_dtype is not None:
-        # Weights in float16 ScaledArrays; Adam's moments as float32 ScaledArrays (a
-        # float16 second moment underflows where gradients are small).
-        model = sc.as_scaled_array(model, dtype=scaled_dtype)
-        opt_state = sc.as_scaled_array(opt_state)
-        step = sc.scalify(step)
-    step = eqx.filter_jit(step)
+    if scaled_dtype is None:
+        return model, opt_state
+    # Weights in float16 ScaledArrays; Adam's moments as float32 ScaledArrays (a
+    # float16 second moment underflows where gradients are small).
+    return sc.as_scaled_array(model, dtype=scaled_dtype), sc.as_scaled_array(opt_state)
+
+
+def _run(model, steps, batches, opt, loss_fn, scaled_dtype=None):
+    model, opt_state = _init(model, opt, scaled_dtype)
+    step = _compiled_step(opt, loss_fn, scaled_dtype is not None)
     losses = []
     for tokens, targets in batches[:steps]:
         loss, model, opt_state = step(model, opt_state, tokens, targets)
@@ -425,24 +400,36 @@ def _run(model, steps, batches, opt, matmul, scaled_dtype=None):
     return losses, model
 
 
-def _gpt_batches(key, n, B=4, T=8, vocab=16):
-    data = jax.random.randint(key, (n, B, T + 1), 0, vocab)
-    data = data.at[..., 1::2].set(
-        (data[..., ::2][..., : data[..., 1::2].shape[-1]] + 1) % vocab
-    )
-    return [(d[:, :-1], d[:, 1:]) for d in data]
+def _fp8_casts(loss_fn, model, tokens, targets):
+    """How many E4M3 (forward) and E5M2 (backward) casts `loss_fn`'s gradient
+    program has."""
+    grad = jax.grad(loss_fn)
+    casts = [
+        e
+        for e in iter_eqns(make_jaxpr(grad)(model, tokens, targets))
+        if e.primitive.name == "scalify_op" and e.params["kind"] == "cast"
+    ]
+    dtypes = [e.params["dtype"] and np.dtype(e.params["dtype"]) for e in casts]
+    return dtypes.count(np.dtype(fp8.E4M3)), dtypes.count(np.dtype(fp8.E5M2))
 
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_gpt_train_step_under_scalify(fmt, getkey):
-    model = GPT(16, 32, 2, 2, 8, getkey())
-    batches = _gpt_batches(getkey(), 6)
-    opt = optax.adam(3e-3)
-    matmul = lax.dot_general if fmt == "fp16" else sc.fp8_dot_general
-    # optax's adam mixes int32 and f32; the model code broadcasts by rank.
-    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        ref, _ = _run(model, 6, batches, opt, lax.dot_general)
-        ours, trained = _run(model, 6, batches, opt, matmul, scaled_dtype=F16)
+    # The recipes' GPT (blocks under lax.scan, causal attention, GELU MLP, tied head).
+    # One block: scans over several are `test_control_flow`'s, and each block more
+    # costs seconds of compilation here.
+    model = tiny_gpt(getkey())
+    batches = gpt_batches(getkey(), 6)
+    loss_fn = LOSSES[fmt]
+    if fmt == "fp8":
+        # Both operands of every matmul cast to E4M3, every output's cotangent to
+        # E5M2, inside the scan over the blocks too.
+        e4m3, e5m2 = _fp8_casts(loss_fn, model, *batches[0])
+        assert (e4m3, e5m2) == (2 * gpt_matmuls(model), gpt_matmuls(model))
+    # optax's adam mixes int32 and f32.
+    with jax.numpy_dtype_promotion("standard"):
+        ref, _ = _run(model, 6, batches, ADAM, gpt_loss)
+        ours, trained = _run(model, 6, batches, ADAM, loss_fn, scaled_dtype=F16)
     # Everything stays scaled: parameters come back as float16 ScaledArrays.
     for leaf in jax.tree.leaves(
         eqx.filter(trained, eqx.is_array), is_leaf=sc.is_scaled
@@ -455,26 +442,13 @@ def test_gpt_train_step_under_scalify(fmt, getkey):
 
 @pytest.mark.parametrize("fmt", ["fp16", "fp8"])
 def test_mlp_train_step_under_scalify(fmt, getkey):
-    model = {
-        "w1": jax.random.normal(getkey(), (16, 32)) / 4,
-        "w2": jax.random.normal(getkey(), (32, 4)) / 6,
-    }
-    x = jax.random.normal(getkey(), (6, 32, 16))
-    y = jax.random.randint(getkey(), (6, 32), 0, 4)
-    matmul = lax.dot_general if fmt == "fp16" else sc.fp8_dot_general
-
-    class MLP(eqx.Module):
-        p: dict
-
-        def __call__(self, tokens, mm):
-            h = jax.nn.relu(mm(tokens, self.p["w1"], DN))
-            return mm(h, self.p["w2"], DN)
-
+    model = tiny_mlp(getkey(), hidden=(32,))
+    x = jax.random.normal(getkey(), (6, 32, 784))
+    y = jax.random.randint(getkey(), (6, 32), 0, 10)
     batches = [(x[i], y[i]) for i in range(6)]
-    opt = optax.sgd(0.2)
     with jax.numpy_dtype_promotion("standard"):  # optax adds f32 updates to f16 weights
-        ref, _ = _run(MLP(model), 6, batches, opt, lax.dot_general)
-        ours, _ = _run(MLP(model), 6, batches, opt, matmul, scaled_dtype=F16)
+        ref, _ = _run(model, 6, batches, SGD, gpt_loss)
+        ours, _ = _run(model, 6, batches, SGD, LOSSES[fmt], scaled_dtype=F16)
     np.testing.assert_allclose(
         ours, ref, atol={"fp16": 0.01, "fp8": 0.05}[fmt] * ref[0]
     )
