@@ -246,32 +246,6 @@ class AdamWConfig:
 
 
 @dataclass
-class UmupAdamWConfig:
-    """`optimizer=umup_adamw`: `lowtrain.unit_scaling.optim.adamw`, u-μP's
-    per-parameter learning rates read from the model, scheduled as `adamw`."""
-
-    _target_: str = "lowtrain.recipes.optim.umup_adamw"
-    _partial_: bool = True  # the recipe completes it with `total_steps` and `model`
-    lr: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.999
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "cosine"
-    min_lr: float = 0.0
-    clip_norm: float | None = None
-
-    def __post_init__(self):
-        _check_optimizer(self)
-        for name in ("b1", "b2"):
-            value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(
-                    f"Expected `optimizer.{name}` in [0, 1), got {value} instead."
-                )
-
-
-@dataclass
 class SGDConfig:
     _target_: str = "lowtrain.recipes.optim.sgd"
     _partial_: bool = True
@@ -290,6 +264,15 @@ class SGDConfig:
             raise ValueError(
                 f"Expected `optimizer.momentum` in [0, 1), got {self.momentum} instead."
             )
+
+
+@dataclass
+class UmupAdamWConfig(AdamWConfig):
+    """`optimizer=umup_adamw`: `lowtrain.unit_scaling.optim.adamw`, u-μP's
+    per-parameter learning rates read from the model, scheduled as `adamw`."""
+
+    _target_: str = "lowtrain.recipes.optim.umup_adamw"  # completed with the model
+    lr: float = 0.1  # u-μP's base rate, the same for every width
 
 
 @dataclass

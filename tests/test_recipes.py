@@ -464,6 +464,32 @@ def test_gpt_run_naive_fp8(tmp_path):
     assert (tmp_path / "run" / "sample.txt").read_text()
 
 
+@pytest.mark.parametrize("recipe", ["gpt_unit_fp32", "gpt_unit_fp8"])
+def test_gpt_unit_runs(tmp_path, recipe):
+    # The unit-scaled GPT with u-μP's AdamW; fp8: plain casts, no scales.
+    config = _run.to_config(make_config(f"recipe={recipe}"))
+    assert isinstance(config.model, _config.GPTUnitConfig)
+    assert isinstance(config.optimizer, _config.UmupAdamWConfig)
+    text = tmp_path / "tiny.txt"
+    rng = np.random.default_rng(0)
+    words = np.array(["to", "be", "or", "not", "that", "is", "the", "question"])
+    text.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(200)))
+    cfg = make_config(f"recipe={recipe}", f"data.path={text}", *TINY_GPT)
+    summary = _run.run(cfg, tmp_path / "run")
+    check_outputs(tmp_path / "run", "val_loss")
+    assert summary["precision"] == recipe.removeprefix("gpt_")
+    assert summary["final"]["val_loss"] < np.log(14)  # learnt something in 12 steps
+
+
+def test_mnist_unit_fp8_composes():
+    config = _run.to_config(make_config("recipe=mnist_unit_fp8"))
+    assert isinstance(config.model, _config.MLPUnitConfig)
+    built = _common.trainer_options(config)["precision"]
+    assert [type(p).__name__ for p in built.parts] == ["Rewrite", "Amp"]
+    model = mnist.build_model(config, key=jax.random.key(0))
+    assert isinstance(model, mnist.UnitMLP)
+
+
 # -- the real command line, in a subprocess ------------------------------------------
 
 
