@@ -124,10 +124,18 @@ class Crops:
 
     `crops(step)` is `{"x": (batch_size, block_size), "y": x shifted by one}` (int32)
     with offsets from `numpy.random.default_rng((seed, step))`, so a resumed run sees
-    the same batches.
+    the same batches. With `process=(k, n)` (a multi-process run) `batch_size` is the
+    global batch and each call returns only its `k`-th of `n` contiguous shares.
     """
 
-    def __init__(self, ids: np.ndarray, batch_size: int, block_size: int, seed: int):
+    def __init__(
+        self,
+        ids: np.ndarray,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        process: tuple[int, int] = (0, 1),
+    ):
         if len(ids) < block_size + 1:
             raise ValueError(
                 f"Expected at least block_size + 1 = {block_size + 1} characters in "
@@ -136,9 +144,19 @@ class Crops:
             )
         self.ids, self.batch_size, self.block_size = ids, batch_size, block_size
         self.seed = seed
+        k, n = process
+        if not (0 <= k < n and batch_size % n == 0):
+            raise ValueError(
+                f"Expected a batch size divisible by the number of processes and "
+                f"0 <= process index < processes, got batch size {batch_size} and "
+                f"process={process} instead. Use a multiple of the number of "
+                "processes as `trainer.batch_size`."
+            )
+        self._rows = slice(k * batch_size // n, (k + 1) * batch_size // n)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng((self.seed, int(step)))
         starts = rng.integers(0, len(self.ids) - self.block_size, self.batch_size)
+        starts = starts[self._rows]  # this process's share of the global batch
         window = self.ids[starts[:, None] + np.arange(self.block_size + 1)]
         return {"x": window[:, :-1], "y": window[:, 1:]}  # (B, T) each

@@ -22,6 +22,12 @@ class ArrayBatches:
     `shuffle=False`). Iterating gives the batches of one epoch in order, as
     `lowtrain.Trainer.fit(eval_data=...)` does.
 
+    In a multi-process run each process passes its own `process_index` and the
+    `process_count` (`jax.process_index()`, `jax.process_count()`): `batch_size` stays
+    the global batch, and each call returns only this process's contiguous share of
+    it, rows `[k * b, (k + 1) * b)` of the global batch where `k = process_index` and
+    `b = batch_size // process_count` (as `lowtrain.Trainer.shard_batch` expects).
+
     ```python
     import numpy as np
     import lowtrain
@@ -39,7 +45,14 @@ class ArrayBatches:
     """
 
     def __init__(
-        self, arrays: PyTree, batch_size: int, *, seed: int = 0, shuffle: bool = True
+        self,
+        arrays: PyTree,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        process_index: int = 0,
+        process_count: int = 1,
     ):
         leaves, paths = [], []
         for path, x in jax.tree_util.tree_flatten_with_path(arrays)[0]:
@@ -64,6 +77,14 @@ class ArrayBatches:
                 f"Expected `batch_size` between 1 and the number of examples ({n}), "
                 f"got {batch_size} instead."
             )
+        if not (0 <= process_index < process_count and batch_size % process_count == 0):
+            raise ValueError(
+                f"Expected 0 <= process_index < process_count and a `batch_size` "
+                f"divisible by `process_count`, got process_index={process_index}, "
+                f"process_count={process_count} and batch_size={batch_size} instead. "
+                "Use a global batch size that is a multiple of the number of processes."
+            )
+        self.process_index, self.process_count = process_index, process_count
         self.arrays = jax.tree.unflatten(jax.tree.structure(arrays), leaves)
         self.batch_size = batch_size
         self.seed = int(seed)
@@ -89,7 +110,9 @@ class ArrayBatches:
         if step < 0:
             raise ValueError(f"Expected a step >= 0, got {step} instead.")
         epoch, i = divmod(step, self.steps_per_epoch)
-        index = self.order(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
+        share = self.batch_size // self.process_count  # this process's rows
+        first = i * self.batch_size + self.process_index * share
+        index = self.order(epoch)[first : first + share]
         return jax.tree.map(lambda x: x[index], self.arrays)
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .._amp import Policy
 from .._loss_scale import NoOpLossScale, _LossScale, scaled_value_and_grad
-from ._checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+from ._checkpoint import Checkpoints
 from ._fit import (
     check_loss,
     mean_metrics,
@@ -298,6 +298,7 @@ class Trainer:
         checkpoint_every: int | None = None,
         keep_checkpoints: int = 3,
         resume: bool = False,
+        async_checkpoint: bool = False,
         progress: bool = True,
     ) -> TrainState:
         """Train from `state` until `state.step == steps`, and return the new state.
@@ -316,12 +317,15 @@ class Trainer:
         - Every `eval_every` steps and at the last step, if `eval_data` (an
           iterable of batches, iterated once each time) is given: `run_evaluation`.
         - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir`
-          is given: the full `TrainState` is written atomically to
-          `checkpoint_dir/ckpt_<step>.lowtrain` (8 digits), keeping the newest
-          `keep_checkpoints`. In a multi-process run, process 0 writes.
+          is given: the full `TrainState` is saved with orbax-checkpoint to
+          `checkpoint_dir/ckpt_<step>` (8 digits; complete or absent), keeping the
+          newest `keep_checkpoints`. Every process writes the shards it holds.
+          `async_checkpoint=True` blocks only for the copy to host memory; the
+          write finishes in the background (waited for before the next save and
+          before `fit` returns).
         - `resume=True` loads the newest checkpoint in `checkpoint_dir` into
-          `state`'s structure if there is one (refusing a corrupt or mismatched
-          file), and goes on from its step exactly: same batches, same keys, same
+          `state`'s structure and shardings if there is one (refusing a mismatched
+          one), and goes on from its step exactly: same batches, same keys, same
           loss scale. Without `resume`, a `checkpoint_dir` that already holds
           checkpoints is an error.
         - Hooks run after the above, in the order added.
@@ -353,6 +357,9 @@ class Trainer:
             unit="step",
         )
         clock = (start, time.perf_counter())  # (step, time) the throughput window began
+        saver = Checkpoints(
+            plan.checkpoint_dir, plan.keep_checkpoints, async_checkpoint
+        )
         pending = None  # (step, loss) not yet checked by stop_on_nonfinite
         try:
             for s in range(start, plan.total):
@@ -387,14 +394,14 @@ class Trainer:
                             writer.write(record(info))
                     for hook in hooks:
                         hook.fn(info)
-                if save_now and is_main:
-                    save_checkpoint(checkpoint_path(plan.checkpoint_dir, done), state)
-                    prune_checkpoints(plan.checkpoint_dir, plan.keep_checkpoints)
+                if save_now:  # every process: each writes its shards
+                    saver.save(done, state)
                 clock = (done, time.perf_counter())  # not counting logs, evals, saves
             if pending is not None:
                 check_loss(*pending)
         finally:
             bar.close()
+            saver.close()  # waits for an asynchronous save
             if writer is not None:
                 writer.close()
         return state
