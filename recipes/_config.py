@@ -107,6 +107,9 @@ class TrainerConfig:
     log_every: int = 50  # steps between lines of metrics.jsonl
     checkpoint_every: int | None = None  # steps between checkpoints; always at the end
     keep_checkpoints: int = 2
+    # Write checkpoints on a background thread: a save blocks only for the copy of the
+    # state to host memory.
+    async_checkpoint: bool = False
     seed: int = 0  # model init, data order and step keys
     resume: bool = False  # continue from the newest checkpoint in the run dir
     prefetch: int = 4  # batches prepared ahead by a background thread (0: off)

@@ -255,6 +255,16 @@ def test_array_batches_are_a_function_of_the_step():
     assert np.array_equal(fresh(7)["y"], data(7)["y"])
     with pytest.raises(ValueError, match=r"share its leading dimension .*\['y'\]: 5"):
         lowtrain.ArrayBatches({"x": np.ones(4), "y": np.ones(5)}, 2)
+    # Each process of a multi-process run gets its contiguous share of every batch
+    # (also when iterated, as eval data is).
+    shares = [make_data(n=20, batch_size=6, process=(k, 3)) for k in range(3)]
+    for step in (0, 4, 7):
+        parts = [share(step)["x"] for share in shares]
+        assert all(part.shape == (2, 4) for part in parts)
+        assert np.array_equal(np.concatenate(parts), data(step)["x"])
+    assert np.array_equal(list(shares[1])[2]["y"], data(2)["y"][2:4])
+    with pytest.raises(ValueError, match="divisible by `process_count`"):
+        make_data(n=20, batch_size=6, process=(0, 4))
 
 
 def test_argument_errors():

@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from .._amp import Policy
 from .._loss_scale import NoOpLossScale, _LossScale, scaled_value_and_grad
-from ._checkpoint import Checkpoints
 from ._fit import (
     check_loss,
     mean_metrics,
@@ -317,17 +316,13 @@ class Trainer:
         - Every `eval_every` steps and at the last step, if `eval_data` (an
           iterable of batches, iterated once each time) is given: `run_evaluation`.
         - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir`
-          is given: the full `TrainState` is saved with orbax-checkpoint to
-          `checkpoint_dir/ckpt_<step>` (8 digits; complete or absent), keeping the
-          newest `keep_checkpoints`. Every process writes the shards it holds.
-          `async_checkpoint=True` blocks only for the copy to host memory; the
-          write finishes in the background (waited for before the next save and
-          before `fit` returns).
+          is given: the `TrainState` is saved (orbax, each process its shards) to
+          `checkpoint_dir/ckpt_<step>`, keeping the newest `keep_checkpoints`;
+          `async_checkpoint=True`: written in the background after the copy to host.
         - `resume=True` loads the newest checkpoint in `checkpoint_dir` into
-          `state`'s structure and shardings if there is one (refusing a mismatched
-          one), and goes on from its step exactly: same batches, same keys, same
-          loss scale. Without `resume`, a `checkpoint_dir` that already holds
-          checkpoints is an error.
+          `state`'s structure and shardings, if any (refusing a mismatched one), and
+          goes on from its step exactly: same batches, keys and loss scale. Without
+          `resume`, a `checkpoint_dir` that already holds checkpoints is an error.
         - Hooks run after the above, in the order added.
         - With `stop_on_nonfinite`, a non-finite loss raises `FloatingPointError`.
           It is checked one step late, so the device never waits for it, except at
@@ -347,7 +342,7 @@ class Trainer:
             keep_checkpoints=keep_checkpoints,
             resume=resume,
         )
-        state = resume_or_check_empty(state, plan, resume)
+        state, saver = resume_or_check_empty(state, plan, resume, async_checkpoint)
         start, is_main = int(state.step), jax.process_index() == 0
         writer = JsonlWriter(metrics_file) if metrics_file and is_main else None
         bar = tqdm(
@@ -357,9 +352,6 @@ class Trainer:
             unit="step",
         )
         clock = (start, time.perf_counter())  # (step, time) the throughput window began
-        saver = Checkpoints(
-            plan.checkpoint_dir, plan.keep_checkpoints, async_checkpoint
-        )
         pending = None  # (step, loss) not yet checked by stop_on_nonfinite
         try:
             for s in range(start, plan.total):
