@@ -235,17 +235,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(script, argvs, *, env=None, timeout=120):
-    """Run the Python `script` once per argument list in `argvs`, all at once, from
-    the repository root on CPU; return their `(returncode, stdout + stderr)`. A run
-    past `timeout` seconds (a hang) kills them all and raises."""
+def run_processes(script, argvs, *, env=None, timeout=120, cwd=ROOT):
+    """Run the Python `script` once per argument list in `argvs`, all at once, in
+    `cwd` (default: the repository root) on CPU; return their `(returncode, stdout +
+    stderr)`. A run past `timeout` seconds (a hang) kills them all and raises."""
     path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"lowtrain_{os.getpid()}.py"
     path.write_text(textwrap.dedent(script))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     procs = [
         subprocess.Popen(
             [sys.executable, str(path), *map(str, argv)],
-            cwd=ROOT,
+            cwd=cwd,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -7,7 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-from .helpers import free_port, run_processes
+from lowtrain.recipes._mnist_data import load_mnist
+
+from .helpers import fake_mnist, free_port, run_processes
 
 # argv: out_dir, processes, process_id, port, steps, resume (0/1), checkpoint_every.
 # Trains `Regression` on all devices of all processes; process 0 writes the loss of
@@ -93,3 +95,79 @@ def test_two_processes_resume_bit_for_bit(two_processes, tmp_path):
     assert resumed_losses == losses[15:]  # steps 16..30, exactly
     assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, final))
     assert [a.dtype for a in resumed] == [a.dtype for a in final]
+
+
+# -- the two-process command line -----------------------------------------------------
+
+# argv: the Hydra overrides. `python -m lowtrain` from the working directory.
+CLI = """
+    import runpy, sys
+    sys.argv = ["lowtrain", *sys.argv[1:]]
+    runpy.run_module("lowtrain", run_name="__main__")
+"""
+
+
+def run_cli(cwd, overrides, processes):
+    """`python -m lowtrain` as `processes` processes (one shell each) from `cwd`."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    keys = [
+        f"distributed.coordinator_address=localhost:{port}",
+        f"distributed.num_processes={processes}",
+    ]
+    argvs = [
+        (*overrides, *keys, f"distributed.process_id={i}")
+        if processes > 1
+        else overrides
+        for i in range(processes)
+    ]
+    results = run_processes(CLI, argvs, timeout=400, cwd=cwd)
+    for code, output in results:
+        assert code == 0, output[-3000:]
+    runs = sorted((cwd / "outputs" / "mnist_fp32").iterdir())
+    assert len(runs) == 1, runs  # one run directory for all processes
+    return runs[0], [output for _, output in results]
+
+
+def test_two_process_cli_writes_one_run(tmp_path):
+    folder = fake_mnist(tmp_path / "idx", n_train=128, n_test=32)
+    overrides = (
+        "recipe=mnist_fp32",
+        f"data.path={folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.hidden=[16]",
+        "trainer.batch_size=16",
+        "trainer.eval_batch_size=16",
+        *("trainer.steps=6", "trainer.epochs=null", "trainer.eval_every=null"),
+        *("trainer.log_every=2", "trainer.checkpoint_every=3"),
+        "trainer.progress=false",
+    )
+    run, outputs = run_cli(tmp_path, overrides, 2)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["test_examples"] == 32
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [2, 4, 6]  # by process 0
+    assert "test accuracy:" in outputs[0] and "test accuracy:" not in outputs[1]
+    shards = {p.name for p in (run / "checkpoints/ckpt_00000006/arrays").iterdir()}
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= shards
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "ckpt_00000003",
+        "ckpt_00000006",
+    ]
+
+
+@pytest.mark.slow
+def test_two_process_cli_matches_one_process_on_mnist(tmp_path):
+    try:
+        load_mnist()
+    except FileNotFoundError as e:
+        pytest.skip(f"the real MNIST is not available: {str(e).splitlines()[0]}")
+    overrides = (
+        "recipe=mnist_fp32",
+        *("trainer.steps=50", "trainer.epochs=null", "trainer.progress=false"),
+    )
+    two, _ = run_cli(tmp_path / "two", overrides, 2)
+    one, _ = run_cli(tmp_path / "one", overrides, 1)
+    a, b = (json.loads((r / "summary.json").read_text())["final"] for r in (two, one))
+    assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 0.001  # 0.1 point
+    assert a["test_accuracy"] > 0.85
