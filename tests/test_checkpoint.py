@@ -1,6 +1,8 @@
 """Checkpoints on orbax: any pytree round trips, mismatches are refused before any
 array is read, other device counts, and a process SIGKILLed mid-save."""
 
+import threading
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -199,3 +201,33 @@ def test_sigkill_during_save_keeps_previous_checkpoint(mode, tmp_path):
         "ckpt_00000003",
         "ckpt_00000004",
     ]
+
+
+def test_async_save_returns_before_the_write(tmp_path, monkeypatch):
+    from orbax.checkpoint._src.path import atomicity  # where orbax renames
+
+    from lowtrain.train._checkpoint import Checkpoints
+
+    real, release = atomicity.AtomicRenameTemporaryPath.finalize, threading.Event()
+
+    async def held(self):  # the write cannot complete before `release`
+        assert release.wait(timeout=60), "the save was never released"
+        return await real(self)
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", held)
+    trainer = Regression(make_model(), SGD(1e-2))
+    state = trainer.init(key=jax.random.key(1))
+    saver = Checkpoints(tmp_path, keep=2, asynchronous=True)
+    saver.save(1, state)  # returns with the write still pending
+    assert lowtrain.latest_checkpoint(tmp_path) is None
+    # The state's buffers are free to be donated: the next step may run.
+    state = trainer.fit(state, make_data(), steps=1, progress=False)
+    release.set()
+    saver.close()  # waits for the pending write
+    assert lowtrain.latest_checkpoint(tmp_path).name == "ckpt_00000001"
+    saved = lowtrain.load_checkpoint(
+        tmp_path / "ckpt_00000001", trainer.init(key=jax.random.key(3))
+    )
+    assert int(saved.step) == 0 and same_bits(
+        snapshot(saved), snapshot(trainer.init(key=jax.random.key(1)))
+    )
