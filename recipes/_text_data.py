@@ -18,6 +18,8 @@ import tarfile
 
 import numpy as np
 
+import lowtrain
+
 from ._mnist_data import cache_dir
 
 log = logging.getLogger(__name__)
@@ -144,15 +146,7 @@ class Crops:
             )
         self.ids, self.batch_size, self.block_size = ids, batch_size, block_size
         self.seed = seed
-        k, n = process
-        if not (0 <= k < n and batch_size % n == 0):
-            raise ValueError(
-                f"Expected a batch size divisible by the number of processes and "
-                f"0 <= process index < processes, got batch size {batch_size} and "
-                f"process={process} instead. Use a multiple of the number of "
-                "processes as `trainer.batch_size`."
-            )
-        self._rows = slice(k * batch_size // n, (k + 1) * batch_size // n)
+        self._rows = lowtrain.ArrayBatches.process_rows(batch_size, *process)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng((self.seed, int(step)))

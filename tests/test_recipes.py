@@ -308,7 +308,7 @@ def test_crops_give_each_process_its_share():
     for key in ("x", "y"):
         assert shares[0][key].shape == (4, 5)
         assert (np.concatenate([s[key] for s in shares]) == whole[key]).all()
-    with pytest.raises(ValueError, match="Expected a batch size divisible by"):
+    with pytest.raises(ValueError, match="batch size divisible by `process_count`"):
         _text_data.Crops(ids, 7, 5, 3, (0, 2))
 
 

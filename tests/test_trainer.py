@@ -263,7 +263,7 @@ def test_array_batches_are_a_function_of_the_step():
         assert all(part.shape == (2, 4) for part in parts)
         assert np.array_equal(np.concatenate(parts), data(step)["x"])
     assert np.array_equal(list(shares[1])[2]["y"], data(2)["y"][2:4])
-    with pytest.raises(ValueError, match="divisible by `process_count`"):
+    with pytest.raises(ValueError, match="batch size divisible by `process_count`"):
         make_data(n=20, batch_size=6, process=(0, 4))
 
 

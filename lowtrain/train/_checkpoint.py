@@ -36,14 +36,8 @@ _PREFIX = "ckpt"  # `fit` names its checkpoints ckpt_<step, 8 digits>
 _NAME = re.compile(rf"^{_PREFIX}_(\d+)$")
 _FIX = (
     "Load it into a state built exactly as the one that was saved (same model, "
-    "optimizer, policy, loss scale and number of processes' arrays), or start a new "
-    "run in another directory."
+    "optimizer, policy and loss scale), or start a new run in another directory."
 )
-
-
-def checkpoint_path(directory, step: int) -> pathlib.Path:
-    """The directory `fit` gives the checkpoint of step `step`."""
-    return pathlib.Path(directory) / f"{_PREFIX}_{step:08d}"
 
 
 def _is_key(x) -> bool:

@@ -77,13 +77,7 @@ class ArrayBatches:
                 f"Expected `batch_size` between 1 and the number of examples ({n}), "
                 f"got {batch_size} instead."
             )
-        if not (0 <= process_index < process_count and batch_size % process_count == 0):
-            raise ValueError(
-                f"Expected 0 <= process_index < process_count and a `batch_size` "
-                f"divisible by `process_count`, got process_index={process_index}, "
-                f"process_count={process_count} and batch_size={batch_size} instead. "
-                "Use a global batch size that is a multiple of the number of processes."
-            )
+        self._rows = self.process_rows(batch_size, process_index, process_count)
         self.process_index, self.process_count = process_index, process_count
         self.arrays = jax.tree.unflatten(jax.tree.structure(arrays), leaves)
         self.batch_size = batch_size
@@ -92,6 +86,29 @@ class ArrayBatches:
         self.num_examples = n
         self.steps_per_epoch = n // batch_size
         self._order = (None, None)  # (epoch, permutation): the last epoch used
+
+    @staticmethod
+    def process_rows(
+        batch_size: int, process_index: int = 0, process_count: int = 1
+    ) -> slice:
+        """The rows of a global batch of `batch_size` that process `process_index` of
+        `process_count` loads: a contiguous `batch_size // process_count` of them.
+
+        ```python
+        import lowtrain
+
+        assert lowtrain.ArrayBatches.process_rows(8, 1, 2) == slice(4, 8)
+        ```
+        """
+        if not (0 <= process_index < process_count and batch_size % process_count == 0):
+            raise ValueError(
+                f"Expected 0 <= process_index < process_count and a batch size "
+                f"divisible by `process_count`, got process_index={process_index}, "
+                f"process_count={process_count} and batch size {batch_size} instead. "
+                "Use a global batch size that is a multiple of the number of processes."
+            )
+        share = batch_size // process_count
+        return slice(process_index * share, (process_index + 1) * share)
 
     def order(self, epoch: int) -> np.ndarray:
         """The order of the examples in epoch `epoch`."""
@@ -110,9 +127,9 @@ class ArrayBatches:
         if step < 0:
             raise ValueError(f"Expected a step >= 0, got {step} instead.")
         epoch, i = divmod(step, self.steps_per_epoch)
-        share = self.batch_size // self.process_count  # this process's rows
-        first = i * self.batch_size + self.process_index * share
-        index = self.order(epoch)[first : first + share]
+        first = i * self.batch_size  # of the global batch; this process's rows:
+        rows = slice(first + self._rows.start, first + self._rows.stop)
+        index = self.order(epoch)[rows]
         return jax.tree.map(lambda x: x[index], self.arrays)
 
     def __len__(self) -> int:
