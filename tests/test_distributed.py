@@ -11,12 +11,13 @@ from lowtrain.recipes._mnist_data import load_mnist
 
 from .helpers import fake_mnist, free_port, run_processes
 
-# argv: out_dir, processes, process_id, port, steps, resume (0/1), checkpoint_every.
+# argv: out_dir, processes, process_id, port, steps, resume (0/1), checkpoint_every,
+# async_checkpoint (0/1).
 # Trains `Regression` on all devices of all processes; process 0 writes the loss of
 # every step (metrics.jsonl) and the final state (final.npz).
 WORKER = """
     import os, sys
-    out, n, pid, port, steps, resume, every = sys.argv[1:]
+    out, n, pid, port, steps, resume, every, asynchronous = sys.argv[1:]
     n, pid, steps, every = int(n), int(pid), int(steps), int(every)
     import jax
     if n > 1:
@@ -40,6 +41,7 @@ WORKER = """
         checkpoint_every=every,
         keep_checkpoints=5,
         resume=resume == "1",
+        async_checkpoint=asynchronous == "1",
         progress=False,
     )
     if pid == 0:
@@ -47,12 +49,13 @@ WORKER = """
 """
 
 
-def train(out, processes, steps=30, *, resume=False, every=15):
+def train(out, processes, steps=30, *, resume=False, every=15, asynchronous=False):
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={4 // processes}"}
     argvs = [
-        (out, processes, i, port, steps, int(resume), every) for i in range(processes)
+        (out, processes, i, port, steps, int(resume), every, int(asynchronous))
+        for i in range(processes)
     ]
     for code, output in run_processes(WORKER, argvs, env=env, timeout=180):
         assert code == 0, output[-3000:]
@@ -67,9 +70,9 @@ def train(out, processes, steps=30, *, resume=False, every=15):
 
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
-    """The 2 x 2 run: 30 steps, checkpoints at 15 and 30."""
+    """The 2 x 2 run: 30 steps, checkpoints at 15 and 30, saved asynchronously."""
     out = tmp_path_factory.mktemp("two")
-    return out, *train(out, 2)
+    return out, *train(out, 2, asynchronous=True)
 
 
 def test_two_processes_train_as_one(two_processes, tmp_path):

@@ -310,9 +310,10 @@ class Trainer:
         - `state` is consumed: its buffers are donated to the compiled step.
         - Every `log_every` steps and at the last step: the progress bar (tqdm, on
           stderr; `progress=False` turns it off) shows the loss and loss scale, and
-          if `metrics_file` is given one JSON line is appended to it: the fields of
-          `lowtrain.StepInfo` (`step`, `loss`, `loss_scale`, `skipped`, ...), the
-          scalars of a dict `aux`, and `eval_<name>` when it evaluated.
+          if `metrics_file` is given one JSON line is appended to it (by process 0):
+          the fields of `lowtrain.StepInfo` (`step`, `loss`, `loss_scale`,
+          `skipped`, ...), the scalars of a dict `aux`, and `eval_<name>` when it
+          evaluated.
         - Every `eval_every` steps and at the last step, if `eval_data` (an
           iterable of batches, iterated once each time) is given: `run_evaluation`.
         - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir`
