@@ -111,6 +111,7 @@ def fit(
                 checkpoint_dir=out / "checkpoints",
                 checkpoint_every=t.checkpoint_every,
                 keep_checkpoints=t.keep_checkpoints,
+                async_checkpoint=t.async_checkpoint,
                 resume=t.resume,
                 progress=t.progress,
             )

@@ -8,9 +8,9 @@ Values that types cannot check (a negative learning rate, a zero width, a head c
 that does not divide the width) are checked when the config is built, in each
 schema's `__post_init__`, with a message naming the key.
 
-The group with one schema (`trainer`) is typed on `Config` itself. Groups whose
-options differ in shape (`model`, `data`, `optimizer`, `precision`) name their schema
-in their YAML file's defaults list: `- /schema/model/mlp@_here_`.
+The groups with one schema (`trainer`, `distributed`) are typed on `Config` itself.
+Groups whose options differ in shape (`model`, `data`, `optimizer`, `precision`) name
+their schema in their YAML file's defaults list: `- /schema/model/mlp@_here_`.
 """
 
 from __future__ import annotations
@@ -107,6 +107,9 @@ class TrainerConfig:
     log_every: int = 50  # steps between lines of metrics.jsonl
     checkpoint_every: int | None = None  # steps between checkpoints; always at the end
     keep_checkpoints: int = 2
+    # Write checkpoints on a background thread: a save blocks only for the copy of the
+    # state to host memory.
+    async_checkpoint: bool = False
     seed: int = 0  # model init, data order and step keys
     resume: bool = False  # continue from the newest checkpoint in the run dir
     prefetch: int = 4  # batches prepared ahead by a background thread (0: off)
@@ -121,6 +124,44 @@ class TrainerConfig:
             _positive(getattr(self, name), f"trainer.{name}")
         for name in ("seed", "prefetch", "redo_on_nan"):
             _at_least(getattr(self, name), 0, f"trainer.{name}")
+
+
+@dataclass
+class DistributedConfig:
+    """`distributed`: several processes training one model (`jax.distributed`).
+
+    All unset and `auto` false: one process. Otherwise `jax.distributed.initialize`
+    runs first, with the keys set here; those left unset JAX detects (SLURM, Open
+    MPI, TPU pods) when `auto` is true.
+    """
+
+    coordinator_address: str | None = None  # "host:port" reachable from every process
+    num_processes: int | None = None  # processes in the run, each with its devices
+    process_id: int | None = None  # this process, 0 .. num_processes - 1
+    auto: bool = False  # let JAX detect the unset keys from the cluster environment
+
+    @property
+    def enabled(self) -> bool:
+        keys = (self.coordinator_address, self.num_processes, self.process_id)
+        return self.auto or any(k is not None for k in keys)
+
+    def __post_init__(self):
+        if self.num_processes is not None:
+            _positive(self.num_processes, "distributed.num_processes")
+        if self.process_id is not None:
+            _at_least(self.process_id, 0, "distributed.process_id")
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                raise ValueError(
+                    f"Expected `distributed.process_id` < `distributed.num_processes` "
+                    f"({self.num_processes}), got {self.process_id} instead."
+                )
+        keys = (self.coordinator_address, self.num_processes, self.process_id)
+        if not self.auto and any(k is not None for k in keys) and None in keys:
+            raise ValueError(
+                "Expected all of `distributed.coordinator_address`, "
+                "`distributed.num_processes` and `distributed.process_id`, or "
+                f"`distributed=auto`, got {keys} instead."
+            )
 
 
 @dataclass
@@ -284,6 +325,7 @@ class Config:
     # AmpPrecisionConfig, NaiveFp8PrecisionConfig or ScalifyPrecisionConfig
     precision: Any = MISSING
     trainer: TrainerConfig = MISSING
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 SCHEMAS = {

@@ -11,9 +11,10 @@ import math
 import pathlib
 import time
 
+import jax
 from omegaconf import DictConfig, OmegaConf
 
-from . import gpt, mnist
+from . import _distributed, gpt, mnist
 from ._config import TASKS, Config
 from ._plots import plot_metrics
 
@@ -51,18 +52,26 @@ def to_config(cfg: DictConfig) -> Config:
 
 def run(cfg: DictConfig, output_dir) -> dict:
     """Train the recipe `cfg` names; write everything to `output_dir`; return the
-    summary (also in `output_dir/summary.json`)."""
+    summary (also in `output_dir/summary.json`).
+
+    With a `distributed` config, `jax.distributed` starts first; every process calls
+    `run`, trains its share of each batch and writes its checkpoint shards, in process
+    0's `output_dir` (see `_distributed.py`); process 0 alone writes the config,
+    metrics, plots and summary."""
     config = to_config(cfg)
-    out = pathlib.Path(output_dir).resolve()
+    _distributed.initialize(config.distributed)  # before any JAX computation
+    out = _distributed.shared_run_dir(pathlib.Path(output_dir).resolve())
+    main = jax.process_index() == 0
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if main:
+        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     title = f"{config.task} {config.precision.name}"
     log.info("%s: outputs in %s", title, out)
     start = time.perf_counter()
     recipe = {"mnist": mnist, "gpt": gpt}[config.task]
     results = recipe.train(config, cfg, out)
     seconds = time.perf_counter() - start
-    plots = plot_metrics(out / "metrics.jsonl", out, title)
+    plots = plot_metrics(out / "metrics.jsonl", out, title) if main else []
     summary = {
         "task": config.task,
         "precision": config.precision.name,
@@ -73,6 +82,8 @@ def run(cfg: DictConfig, output_dir) -> dict:
         "plots": [p.name for p in plots],
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
+    if not main:
+        return summary
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_json))
     metric, value = next(iter(results["final"].items()))
     shown = f"{value:.2%}" if "accuracy" in metric else f"{value:.4f}"

@@ -18,6 +18,8 @@ import tarfile
 
 import numpy as np
 
+import lowtrain
+
 from ._mnist_data import cache_dir
 
 log = logging.getLogger(__name__)
@@ -124,10 +126,18 @@ class Crops:
 
     `crops(step)` is `{"x": (batch_size, block_size), "y": x shifted by one}` (int32)
     with offsets from `numpy.random.default_rng((seed, step))`, so a resumed run sees
-    the same batches.
+    the same batches. With `process=(k, n)` (a multi-process run) `batch_size` is the
+    global batch and each call returns only its `k`-th of `n` contiguous shares.
     """
 
-    def __init__(self, ids: np.ndarray, batch_size: int, block_size: int, seed: int):
+    def __init__(
+        self,
+        ids: np.ndarray,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        process: tuple[int, int] = (0, 1),
+    ):
         if len(ids) < block_size + 1:
             raise ValueError(
                 f"Expected at least block_size + 1 = {block_size + 1} characters in "
@@ -136,9 +146,11 @@ class Crops:
             )
         self.ids, self.batch_size, self.block_size = ids, batch_size, block_size
         self.seed = seed
+        self._rows = lowtrain.ArrayBatches.process_rows(batch_size, *process)
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rng = np.random.default_rng((self.seed, int(step)))
         starts = rng.integers(0, len(self.ids) - self.block_size, self.batch_size)
+        starts = starts[self._rows]  # this process's share of the global batch
         window = self.ids[starts[:, None] + np.arange(self.block_size + 1)]
         return {"x": window[:, :-1], "y": window[:, 1:]}  # (B, T) each

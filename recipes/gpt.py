@@ -169,8 +169,9 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
         )
     d, t, m = config.data, config.trainer, config.model
     chars = CharText(load_text(d.path, d.cache_dir), d.val_fraction)
-    train_data = Crops(chars.train, t.batch_size, m.block_size, seed=t.seed)
-    val = Crops(chars.val, t.eval_batch_size, m.block_size, seed=EVAL_SEED)
+    share = (jax.process_index(), jax.process_count())  # each loads only its share
+    train_data = Crops(chars.train, t.batch_size, m.block_size, t.seed, share)
+    val = Crops(chars.val, t.eval_batch_size, m.block_size, EVAL_SEED, share)
     eval_data = [val(i) for i in range(d.eval_batches)]
     steps = _common.total_steps(config, None)
     model_key, state_key = jax.random.split(jax.random.key(t.seed))
@@ -188,8 +189,11 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
     # Sampled from the model as the precision exports it (plain values: under
     # Scalify the weights are ScaledArrays, which only `scalify` runs).
     exported = trainer.precision.export(state.model)
-    sample = generate(exported, prompt, 300, key=jax.random.key(t.seed))
-    (out / "sample.txt").write_text(chars.decode(prompt) + chars.decode(sample))
+    if jax.process_index() == 0:  # on this process's copy of the replicated model
+        local = lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x
+        exported = jax.tree.map(local, exported)
+        sample = generate(exported, prompt, 300, key=jax.random.key(t.seed))
+        (out / "sample.txt").write_text(chars.decode(prompt) + chars.decode(sample))
     return {
         "final": {"val_loss": val_loss},
         "steps": int(state.step),

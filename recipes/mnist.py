@@ -157,14 +157,20 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
         )
     arrays = load_mnist(config.data.path, config.data.cache_dir)
     t = config.trainer
+    # Each process loads only its share of every global batch.
+    share = {"process_index": jax.process_index(), "process_count": jax.process_count()}
     train_data = lowtrain.ArrayBatches(
-        {"x": arrays["x_train"], "y": arrays["y_train"]}, t.batch_size, seed=t.seed
+        {"x": arrays["x_train"], "y": arrays["y_train"]},
+        t.batch_size,
+        seed=t.seed,
+        **share,
     )
     n_test = len(arrays["y_test"])
     test_data = lowtrain.ArrayBatches(  # in order; all of it if the size divides
         {"x": arrays["x_test"], "y": arrays["y_test"]},
         min(t.eval_batch_size, n_test),
         shuffle=False,
+        **share,
     )
     steps = _common.total_steps(config, train_data.steps_per_epoch)
     model_key, state_key = jax.random.split(jax.random.key(t.seed))

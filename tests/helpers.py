@@ -8,6 +8,13 @@ build small ones. Test files import from here, never from each other.
 """
 
 import gzip
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import time
 
 import equinox as eqx
 import jax
@@ -97,10 +104,17 @@ class Regression(lowtrain.Trainer):
         return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
 
 
-def make_data(n=48, batch_size=8, seed=0):
+def make_data(n=48, batch_size=8, seed=0, process=(0, 1)):
+    """`process=(k, n)`: process `k` of `n`'s share of each batch."""
     x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
     y = np.stack([x.sum(1), x[:, 0] - x[:, 1]], 1)
-    return lowtrain.ArrayBatches({"x": x, "y": y}, batch_size, seed=seed)
+    return lowtrain.ArrayBatches(
+        {"x": x, "y": y},
+        batch_size,
+        seed=seed,
+        process_index=process[0],
+        process_count=process[1],
+    )
 
 
 def make_model(width=16):
@@ -108,11 +122,14 @@ def make_model(width=16):
 
 
 def snapshot(tree):
-    """Host copies of every array (key data for PRNG keys): donation reuses buffers."""
+    """Host copies of every array (key data for PRNG keys): donation reuses buffers.
+    (Of this process's copy, for a state replicated over several processes.)"""
     out = []
     for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = x.addressable_data(0)
         out.append(np.array(x, copy=True))
     return out
 
@@ -204,3 +221,49 @@ def fake_mnist(folder, n_train=256, n_test=64, *, gz=True, seed=0):
         write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", x, gz=gz)
         write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", y, gz=gz)
     return folder
+
+
+# -- child processes: kill tests and multi-process runs ---------------------------
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def free_port() -> int:
+    """A TCP port that is free now (for a `jax.distributed` coordinator)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(script, argvs, *, env=None, timeout=120, cwd=ROOT):
+    """Run the Python `script` once per argument list in `argvs`, all at once, in
+    `cwd` (default: the repository root) on CPU; return their `(returncode, stdout +
+    stderr)`. A run past `timeout` seconds (a hang) kills them all and raises."""
+    path = pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"lowtrain_{os.getpid()}.py"
+    path.write_text(textwrap.dedent(script))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(path), *map(str, argv)],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for argv in argvs
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        outputs = [
+            p.communicate(timeout=max(deadline - time.monotonic(), 1))[0] for p in procs
+        ]
+        return [(p.returncode, out) for p, out in zip(procs, outputs)]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"Expected the processes to end in {timeout} s.") from None
+    finally:
+        for p in procs:
+            p.kill()  # after a failure the others would wait for it forever
+            p.wait()

@@ -22,6 +22,12 @@ class ArrayBatches:
     `shuffle=False`). Iterating gives the batches of one epoch in order, as
     `lowtrain.Trainer.fit(eval_data=...)` does.
 
+    In a multi-process run each process passes its own `process_index` and the
+    `process_count` (`jax.process_index()`, `jax.process_count()`): `batch_size` stays
+    the global batch, and each call returns only this process's contiguous share of
+    it, rows `[k * b, (k + 1) * b)` of the global batch where `k = process_index` and
+    `b = batch_size // process_count` (as `lowtrain.Trainer.shard_batch` expects).
+
     ```python
     import numpy as np
     import lowtrain
@@ -39,7 +45,14 @@ class ArrayBatches:
     """
 
     def __init__(
-        self, arrays: PyTree, batch_size: int, *, seed: int = 0, shuffle: bool = True
+        self,
+        arrays: PyTree,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        process_index: int = 0,
+        process_count: int = 1,
     ):
         leaves, paths = [], []
         for path, x in jax.tree_util.tree_flatten_with_path(arrays)[0]:
@@ -64,6 +77,8 @@ class ArrayBatches:
                 f"Expected `batch_size` between 1 and the number of examples ({n}), "
                 f"got {batch_size} instead."
             )
+        self._rows = self.process_rows(batch_size, process_index, process_count)
+        self.process_index, self.process_count = process_index, process_count
         self.arrays = jax.tree.unflatten(jax.tree.structure(arrays), leaves)
         self.batch_size = batch_size
         self.seed = int(seed)
@@ -71,6 +86,29 @@ class ArrayBatches:
         self.num_examples = n
         self.steps_per_epoch = n // batch_size
         self._order = (None, None)  # (epoch, permutation): the last epoch used
+
+    @staticmethod
+    def process_rows(
+        batch_size: int, process_index: int = 0, process_count: int = 1
+    ) -> slice:
+        """The rows of a global batch of `batch_size` that process `process_index` of
+        `process_count` loads: a contiguous `batch_size // process_count` of them.
+
+        ```python
+        import lowtrain
+
+        assert lowtrain.ArrayBatches.process_rows(8, 1, 2) == slice(4, 8)
+        ```
+        """
+        if not (0 <= process_index < process_count and batch_size % process_count == 0):
+            raise ValueError(
+                f"Expected 0 <= process_index < process_count and a batch size "
+                f"divisible by `process_count`, got process_index={process_index}, "
+                f"process_count={process_count} and batch size {batch_size} instead. "
+                "Use a global batch size that is a multiple of the number of processes."
+            )
+        share = batch_size // process_count
+        return slice(process_index * share, (process_index + 1) * share)
 
     def order(self, epoch: int) -> np.ndarray:
         """The order of the examples in epoch `epoch`."""
@@ -89,7 +127,9 @@ class ArrayBatches:
         if step < 0:
             raise ValueError(f"Expected a step >= 0, got {step} instead.")
         epoch, i = divmod(step, self.steps_per_epoch)
-        index = self.order(epoch)[i * self.batch_size : (i + 1) * self.batch_size]
+        first = i * self.batch_size  # of the global batch; this process's rows:
+        rows = slice(first + self._rows.start, first + self._rows.stop)
+        index = self.order(epoch)[rows]
         return jax.tree.map(lambda x: x[index], self.arrays)
 
     def __len__(self) -> int:

@@ -16,7 +16,12 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._loss_scale import NoOpLossScale
-from ._checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from ._checkpoint import (
+    Checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+)
 from ._hooks import StepInfo
 from ._metrics import learning_rate
 from ._state import TrainState
@@ -145,16 +150,20 @@ def plan_fit(
     )
 
 
-def resume_or_check_empty(state, plan: FitPlan, resume: bool):
+def resume_or_check_empty(
+    state, plan: FitPlan, resume: bool, asynchronous: bool = False
+) -> tuple[Any, Checkpoints]:
     """The state to start from: the newest checkpoint in `plan.checkpoint_dir` if
     `resume` (and there is one), else `state`; a directory that holds checkpoints
-    without `resume` is an error."""
+    without `resume` is an error. And the `Checkpoints` that `fit` saves with
+    (`close` it)."""
     ckpt_dir = plan.checkpoint_dir
+    saver = lambda: Checkpoints(ckpt_dir, plan.keep_checkpoints, asynchronous)
     if ckpt_dir is None:
-        return state
+        return state, saver()
     latest = latest_checkpoint(ckpt_dir)
     if latest is not None and resume:
-        return load_checkpoint(latest, state)
+        return load_checkpoint(latest, state), saver()
     if latest is not None:
         raise ValueError(
             f"Expected an empty `checkpoint_dir` for a new run, got "
@@ -162,7 +171,7 @@ def resume_or_check_empty(state, plan: FitPlan, resume: bool):
             "instead. Pass `resume=True` to continue that run, or use another "
             "directory."
         )
-    return state
+    return state, saver()
 
 
 def step_info(trainer, state, metrics, batch, clock, done) -> StepInfo:

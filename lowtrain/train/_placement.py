@@ -11,6 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import PyTree
 
+from ._multiprocess import put_global
+
 
 def replicated(mesh: Mesh, tree: PyTree) -> PyTree:
     """`tree` with every array constrained to be replicated over `mesh` (in a trace)."""
@@ -50,5 +52,5 @@ def shard_batch(devices: Sequence[jax.Device], mesh: Mesh, batch: PyTree) -> PyT
 def put_replicated(mesh: Mesh, tree: PyTree) -> PyTree:
     """A copy of `tree` with every array replicated on the devices of `mesh`."""
     dynamic, static = eqx.partition(tree, eqx.is_array)
-    dynamic = jax.device_put(dynamic, NamedSharding(mesh, P()), may_alias=False)
+    dynamic = put_global(dynamic, NamedSharding(mesh, P()))  # also multi-process
     return eqx.combine(dynamic, static)

@@ -19,7 +19,6 @@ from tqdm import tqdm
 
 from .._amp import Policy
 from .._loss_scale import NoOpLossScale, _LossScale, scaled_value_and_grad
-from ._checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
 from ._fit import (
     check_loss,
     mean_metrics,
@@ -298,6 +297,7 @@ class Trainer:
         checkpoint_every: int | None = None,
         keep_checkpoints: int = 3,
         resume: bool = False,
+        async_checkpoint: bool = False,
         progress: bool = True,
     ) -> TrainState:
         """Train from `state` until `state.step == steps`, and return the new state.
@@ -310,20 +310,20 @@ class Trainer:
         - `state` is consumed: its buffers are donated to the compiled step.
         - Every `log_every` steps and at the last step: the progress bar (tqdm, on
           stderr; `progress=False` turns it off) shows the loss and loss scale, and
-          if `metrics_file` is given one JSON line is appended to it: the fields of
-          `lowtrain.StepInfo` (`step`, `loss`, `loss_scale`, `skipped`, ...), the
-          scalars of a dict `aux`, and `eval_<name>` when it evaluated.
+          if `metrics_file` is given one JSON line is appended to it (by process 0):
+          the fields of `lowtrain.StepInfo` (`step`, `loss`, `loss_scale`,
+          `skipped`, ...), the scalars of a dict `aux`, and `eval_<name>` when it
+          evaluated.
         - Every `eval_every` steps and at the last step, if `eval_data` (an
           iterable of batches, iterated once each time) is given: `run_evaluation`.
         - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir`
-          is given: the full `TrainState` is written atomically to
-          `checkpoint_dir/ckpt_<step>.lowtrain` (8 digits), keeping the newest
-          `keep_checkpoints`. In a multi-process run, process 0 writes.
+          is given: the `TrainState` is saved (orbax, each process its shards) to
+          `checkpoint_dir/ckpt_<step>`, keeping the newest `keep_checkpoints`;
+          `async_checkpoint=True`: written in the background after the copy to host.
         - `resume=True` loads the newest checkpoint in `checkpoint_dir` into
-          `state`'s structure if there is one (refusing a corrupt or mismatched
-          file), and goes on from its step exactly: same batches, same keys, same
-          loss scale. Without `resume`, a `checkpoint_dir` that already holds
-          checkpoints is an error.
+          `state`'s structure and shardings, if any (refusing a mismatched one), and
+          goes on from its step exactly: same batches, keys and loss scale. Without
+          `resume`, a `checkpoint_dir` that already holds checkpoints is an error.
         - Hooks run after the above, in the order added.
         - With `stop_on_nonfinite`, a non-finite loss raises `FloatingPointError`.
           It is checked one step late, so the device never waits for it, except at
@@ -343,7 +343,7 @@ class Trainer:
             keep_checkpoints=keep_checkpoints,
             resume=resume,
         )
-        state = resume_or_check_empty(state, plan, resume)
+        state, saver = resume_or_check_empty(state, plan, resume, async_checkpoint)
         start, is_main = int(state.step), jax.process_index() == 0
         writer = JsonlWriter(metrics_file) if metrics_file and is_main else None
         bar = tqdm(
@@ -387,14 +387,14 @@ class Trainer:
                             writer.write(record(info))
                     for hook in hooks:
                         hook.fn(info)
-                if save_now and is_main:
-                    save_checkpoint(checkpoint_path(plan.checkpoint_dir, done), state)
-                    prune_checkpoints(plan.checkpoint_dir, plan.keep_checkpoints)
+                if save_now:  # every process: each writes its shards
+                    saver.save(done, state)
                 clock = (done, time.perf_counter())  # not counting logs, evals, saves
             if pending is not None:
                 check_loss(*pending)
         finally:
             bar.close()
+            saver.close()  # waits for an asynchronous save
             if writer is not None:
                 writer.close()
         return state
