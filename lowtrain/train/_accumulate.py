@@ -91,9 +91,13 @@ def accumulated_value_and_grad(
     """
     single = scaled_value_and_grad(fn, has_aux=True, redo_on_nan=redo_on_nan)
     micro = scaled_value_and_grad(fn, has_aux=True)
+    # FSDP: the parameters are gathered (all-gather) before use, so the forward and
+    # backward compute exactly what replicated data parallelism computes, and the
+    # gradients leave reduce-scattered (`constrain_state` on what depends on them).
+    gather = lambda model: constrain_state(mesh, "replicated", model)
 
     def one_step(ls: _LossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray):
-        (value, grads), ls, finite = single(ls, model, batch, key=key)
+        (value, grads), ls, finite = single(ls, gather(model), batch, key=key)
         grads, extra = precision.split_gradients(grads)
         return (value, grads, extra), ls, finite
 
@@ -123,7 +127,7 @@ def accumulated_value_and_grad(
     def accumulated(
         ls: _LossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
     ) -> tuple[tuple, _LossScale, Bool[Array, ""]]:
-        run = lambda ls: attempt(ls, model, batch, key)
+        run = lambda ls: attempt(ls, gather(model), batch, key)
         ls, value, grads, extra, finite = redo_while_nonfinite(run, ls, redo_on_nan)
         return (value, grads, extra), ls.adjust(finite), finite
 

@@ -93,6 +93,9 @@ def put_state(mesh: Mesh, sharding: str, tree: PyTree) -> PyTree:
     """A copy of `tree` with every array placed on `mesh` as `array_spec` says."""
     dynamic, static = eqx.partition(tree, eqx.is_array)
     shardings = jax.tree.map(lambda x: _state_sharding(mesh, sharding, x), dynamic)
+    # Copied first: onto several devices, `device_put(..., may_alias=False)` still
+    # reuses the source buffer for one shard, which the donating step then deletes.
+    dynamic = jax.tree.map(lambda x: x.copy(), dynamic)
     dynamic = jax.device_put(dynamic, shardings, may_alias=False)
     return eqx.combine(dynamic, static)
 
