@@ -179,10 +179,10 @@ def test_amp_keeps_the_shardings_of_an_inner_jit():
     # ... and in the lowered program.
     text = jax.jit(fn).lower(x).as_text()
     found = re.findall(r"sdy.sharding_constraint %\d+ <@mesh, (.*?)> : (\S+)", text)
+    # (amp casts the inputs on entry: the inner jit's input is bfloat16 too)
     assert found == [
-        ('[{}, {"data"}]', "tensor<8x4xbf16>")(  # amp casts inputs on entry,
-            '[{"data"}, {}]', "tensor<8x8xbf16>"
-        ),
+        ('[{}, {"data"}]', "tensor<8x4xbf16>"),
+        ('[{"data"}, {}]', "tensor<8x8xbf16>"),
     ]
     # An inner jit without shardings adds no constraint.
     plain = lowtrain.amp(lambda x: jax.jit(jnp.sin)(x) * 2.0, "bf16")
