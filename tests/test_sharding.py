@@ -66,11 +66,10 @@ print(json.dumps(out))
 """
 
 
-def run_fsdp_cases(*cases):
-    """`scripts/fsdp_check.py` with 8 forced CPU devices: per case, the loss
-    trajectories replicated and FSDP, and the per-device bytes of the state."""
+def run_on_8_devices(*args):
+    """`python *args` with 8 forced CPU devices: the JSON of its last line."""
     done = subprocess.run(
-        [sys.executable, "scripts/fsdp_check.py", "--steps", "10", *cases],
+        [sys.executable, *args],
         cwd=ROOT,
         env=EIGHT,
         capture_output=True,
@@ -81,19 +80,16 @@ def run_fsdp_cases(*cases):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_fsdp_cases(*cases):
+    """`scripts/fsdp_check.py`: per case, the loss trajectories replicated and
+    FSDP, and the per-device bytes of the state."""
+    return run_on_8_devices("scripts/fsdp_check.py", "--steps", "10", *cases)
+
+
 def test_fsdp_and_grad_accum_on_8_devices_match_replicated(tmp_path):
     path = tmp_path / "child.py"
     path.write_text(textwrap.dedent(MLP_CHILD))
-    done = subprocess.run(
-        [sys.executable, str(path)],
-        cwd=ROOT,
-        env=EIGHT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_8_devices(str(path))
     # MLP(4 -> 512 -> 2): the (512, 4) and (2, 512) weights split along 512, the
     # biases (512 and 2 elements) replicated; the step keeps that placement.
     split = ["P('data',)", "P()", "P(None, 'data')", "P()"]
