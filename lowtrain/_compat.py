@@ -46,9 +46,9 @@ from jax.extend.core.primitives import while_p as while_p
 
 # Every parameter each higher-order primitive carries, as emitted by JAX 0.10.2. The
 # interpreter rebuilds these ops with public APIs (`jax.jit`, `lax.scan`, ...) from the
-# parameters in USED_PARAMS; the rest are dropped on purpose: an inner jit's shardings,
-# layouts, donations and compiler options (the outer jit governs placement, and
-# `sharding_constraint` inside is a first-order op that is kept), `differentiated` of
+# parameters in USED_PARAMS; the rest are dropped on purpose: an inner jit's layouts,
+# donations and compiler options (the outer jit governs them; its `NamedSharding`
+# in/out shardings are kept as `with_sharding_constraint`s), `differentiated` of
 # remat (set by AD itself), `symbolic_zeros` (the rebuilt custom rules take
 # instantiated zeros). `tests/test_compat.py` fails when the installed JAX emits a
 # parameter not listed here, so a new one is looked at before it is silently dropped.
@@ -89,7 +89,9 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
     ),
 }
 USED_PARAMS: dict[str, frozenset[str]] = {
-    "jit": frozenset({"jaxpr", "name", "inline", "keep_unused"}),
+    "jit": frozenset(
+        {"jaxpr", "name", "inline", "keep_unused", "in_shardings", "out_shardings"}
+    ),
     "scan": KNOWN_PARAMS["scan"],
     "while": KNOWN_PARAMS["while"],
     "cond": KNOWN_PARAMS["cond"],

@@ -29,11 +29,27 @@ def _sub(interp, closed, scopes):
     return functools.partial(interp.eval_jaxpr, closed, scopes=scopes)
 
 
+def _constrain(values, shardings) -> list:
+    # A `NamedSharding` (given to the inner jit, or set by `jax.sharding.use_mesh`)
+    # becomes a `with_sharding_constraint` on the value; an unspecified one, a
+    # value that is not a plain array (a `ScaledArray`) or another sharding kind is
+    # left to the outer jit.
+    return [
+        lax.with_sharding_constraint(v, s)
+        if isinstance(s, jax.sharding.NamedSharding) and isinstance(v, jax.Array)
+        else v
+        for v, s in zip(values, shardings)
+    ]
+
+
 def _jit_rule(interp, eqn: Eqn, *args):
     # Inlined, in the same trace and sharing its memo: a value used inside and outside
     # an inner jit (jnp.var is one) is cast once. The outer program is jitted anyway,
-    # and XLA inlines nested jits, so nothing is lost.
-    return interp.eval_jaxpr(eqn.params["jaxpr"], args, eqn.scopes, memo=eqn.memo)
+    # and XLA inlines nested jits; its in and out shardings are kept as constraints.
+    p = eqn.params
+    args = _constrain(args, p["in_shardings"])
+    outs = interp.eval_jaxpr(p["jaxpr"], args, eqn.scopes, memo=eqn.memo)
+    return _constrain(outs, p["out_shardings"])
 
 
 def _remat_rule(interp, eqn: Eqn, *args):

@@ -272,6 +272,27 @@ def all_finite(tree: PyTree) -> Bool[Array, ""]:
     return jnp.all(jnp.stack(checks))
 
 
+def redo_while_nonfinite(attempt: Callable, loss_scale: _LossScale, redos: int):
+    """The last `attempt(ls) -> (ls, ..., finite)`: redone at the backed-off scale
+    while not `finite`, at most `redos` times (one `lax.while_loop`)."""
+    result = attempt(loss_scale)
+    # Only a dynamic scale changes between attempts: others would compute the same.
+    if redos == 0 or not isinstance(loss_scale, DynamicLossScale):
+        return result
+    dynamic, static = eqx.partition(result, eqx.is_array)
+
+    def cond(carry):
+        return ~carry[1][-1] & (carry[0] < redos)
+
+    def body(carry):
+        ls = eqx.combine(carry[1], static)[0]
+        new = attempt(ls.adjust(jnp.array(False)))
+        return carry[0] + 1, eqx.partition(new, eqx.is_array)[0]
+
+    _, dynamic = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), dynamic))
+    return eqx.combine(dynamic, static)
+
+
 class _ScaledValueAndGrad(eqx.Module):
     fn: Callable
     has_aux: bool = eqx.field(static=True)
@@ -325,25 +346,9 @@ class _ScaledValueAndGrad(eqx.Module):
             grads = ls.unscale(grads)  # with the scale that produced them
             return ls, loss, aux, grads, all_finite(grads)
 
-        result = attempt(loss_scale)
-        # Only a dynamic scale can change between attempts: a redo with any other
-        # would compute the same thing again.
-        if self.redo_on_nan > 0 and isinstance(loss_scale, DynamicLossScale):
-            dynamic, static = eqx.partition(result, eqx.is_array)
-
-            def cond(carry):
-                redos, (_, _, _, _, finite) = carry
-                return ~finite & (redos < self.redo_on_nan)
-
-            def body(carry):
-                redos, dyn = carry
-                ls = eqx.combine(dyn, static)[0]
-                new = attempt(ls.adjust(jnp.array(False)))
-                return redos + 1, eqx.partition(new, eqx.is_array)[0]
-
-            _, dynamic = lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), dynamic))
-            result = eqx.combine(dynamic, static)
-        ls, loss, aux, grads, finite = result
+        ls, loss, aux, grads, finite = redo_while_nonfinite(
+            attempt, loss_scale, self.redo_on_nan
+        )
         value = (loss, aux) if self.has_aux else loss
         return (value, grads), ls.adjust(finite), finite
 
@@ -387,11 +392,8 @@ def scaled_value_and_grad(
     """
     if not callable(fn):
         raise TypeError(f"Expected a callable `fn`, got {fn!r} instead.")
-    if (
-        isinstance(redo_on_nan, bool)
-        or not isinstance(redo_on_nan, int)
-        or redo_on_nan < 0
-    ):
+    bad = isinstance(redo_on_nan, bool) or not isinstance(redo_on_nan, int)
+    if bad or redo_on_nan < 0:
         raise ValueError(
             f"Expected a non-negative int `redo_on_nan`, got {redo_on_nan!r} instead."
         )

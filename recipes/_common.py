@@ -26,12 +26,16 @@ log = logging.getLogger("lowtrain")
 def trainer_options(config: Config) -> dict[str, Any]:
     """`lowtrain.Trainer` keyword arguments from the config: the precision (built
     by the factory `precision._target_` names, from the other `precision` fields;
-    `precision.name` only names the run) and `trainer.redo_on_nan`."""
+    `precision.name` only names the run), `trainer.redo_on_nan`, `trainer.sharding`
+    and `trainer.grad_accum`."""
     fields = dataclasses.asdict(config.precision)
     fields.pop("name")
+    t = config.trainer
     return {
         "precision": hydra.utils.instantiate(fields),
-        "redo_on_nan": config.trainer.redo_on_nan,
+        "redo_on_nan": t.redo_on_nan,
+        "sharding": t.sharding,
+        "grad_accum": t.grad_accum,
     }
 
 

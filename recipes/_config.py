@@ -115,13 +115,21 @@ class TrainerConfig:
     prefetch: int = 4  # batches prepared ahead by a background thread (0: off)
     progress: bool = True  # the tqdm bar on stderr
     redo_on_nan: int = 0  # recompute a step at a lower loss scale up to N times
+    sharding: str = "replicated"  # or "fsdp": parameters, optimizer state split
+    grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
 
     def __post_init__(self):
         for name in ("steps", "epochs", "eval_every", "checkpoint_every"):
             if getattr(self, name) is not None:
                 _positive(getattr(self, name), f"trainer.{name}")
-        for name in ("batch_size", "eval_batch_size", "log_every", "keep_checkpoints"):
+        names = ("batch_size", "eval_batch_size", "log_every", "keep_checkpoints")
+        for name in (*names, "grad_accum"):
             _positive(getattr(self, name), f"trainer.{name}")
+        if self.sharding not in ("replicated", "fsdp"):
+            raise ValueError(
+                "Expected `trainer.sharding` 'replicated' or 'fsdp', got "
+                f"{self.sharding!r} instead."
+            )
         for name in ("seed", "prefetch", "redo_on_nan"):
             _at_least(getattr(self, name), 0, f"trainer.{name}")
 

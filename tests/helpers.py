@@ -104,6 +104,20 @@ class Regression(lowtrain.Trainer):
         return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
 
 
+class Mse(lowtrain.Trainer):
+    """No dropout: a step's update depends on the batch, not on the key."""
+
+    def loss(self, model, batch, *, key):
+        err = jax.vmap(model)(batch["x"]) - batch["y"]
+        return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err))}
+
+
+def batch_of(n, seed=0):
+    """One batch of `n` rows for `make_model()`, as `make_data` draws them."""
+    x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+    return {"x": x, "y": np.stack([x.sum(1), x[:, 0] - x[:, 1]], 1)}
+
+
 def make_data(n=48, batch_size=8, seed=0, process=(0, 1)):
     """`process=(k, n)`: process `k` of `n`'s share of each batch."""
     x = np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)

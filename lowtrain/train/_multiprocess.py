@@ -9,22 +9,28 @@ from jax.sharding import Sharding
 from jaxtyping import PyTree
 
 
-def put_global(tree: PyTree, sharding: Sharding) -> PyTree:
-    """A copy of the arrays `tree` (all leaves arrays) placed with `sharding`.
+def put_global(tree: PyTree, shardings: PyTree) -> PyTree:
+    """A copy of the arrays `tree` (all leaves arrays) placed with `shardings` (one
+    `Sharding` for every leaf, or a tree of them shaped like `tree`).
 
-    `jax.device_put` on one process. In a multi-process run `sharding` spans devices
+    `jax.device_put` of a copy on one process (copied first: onto several devices,
+    `device_put(..., may_alias=False)` still reuses the source buffer for one shard,
+    which a donating step then deletes). In a multi-process run the shardings span devices
     that this process cannot address, which `jax.device_put` refuses for arrays
     already on a device: each process then passes the same values, and puts the
     parts of its own devices from a host copy (`jax.make_array_from_callback`).
     """
+    if isinstance(shardings, Sharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
     if jax.process_count() == 1:
-        return jax.device_put(tree, sharding, may_alias=False)
+        tree = jax.tree.map(lambda x: x.copy(), tree)
+        return jax.device_put(tree, shardings, may_alias=False)
 
-    def put(x):
+    def put(x, sharding):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            data = put(jax.random.key_data(x))
+            data = put(jax.random.key_data(x), sharding)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         host = np.asarray(x)  # this process's value: the same on every process
         return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
 
-    return jax.tree.map(put, tree)
+    return jax.tree.map(put, tree, shardings)

@@ -1,4 +1,5 @@
-"""Where the Trainer's arrays live: the state replicated, batches split over "data"."""
+"""Where the Trainer's arrays live: the state replicated or sharded (FSDP) over the
+"data" axis of its mesh, batches split over it."""
 
 from __future__ import annotations
 
@@ -13,18 +14,89 @@ from jaxtyping import PyTree
 
 from ._multiprocess import put_global
 
+# Under "fsdp", arrays with fewer elements than this stay replicated: biases, norm
+# scales, loss scales, counters. Gathering them costs a collective each for a few
+# bytes saved.
+FSDP_MIN_SIZE = 1024
 
-def replicated(mesh: Mesh, tree: PyTree) -> PyTree:
-    """`tree` with every array constrained to be replicated over `mesh` (in a trace)."""
-    sharding = NamedSharding(mesh, P())
+
+def data_mesh(
+    devices: Sequence[jax.Device] | None, sharding: str
+) -> tuple[list[jax.Device], Mesh, str]:
+    """The Trainer's devices (default `jax.devices()`), their 1-D "data" mesh, and
+    `sharding` checked to name a strategy ("replicated" or "fsdp")."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("Expected at least one device in `devices`, got none.")
+    if sharding not in _SPECS:
+        raise ValueError(
+            f"Expected `sharding` 'replicated' or 'fsdp', got {sharding!r} instead."
+        )
+    return devices, Mesh(np.array(devices), ("data",)), sharding
+
+
+def array_spec(shape: tuple[int, ...], n_devices: int, sharding: str) -> P:
+    """The `PartitionSpec` the Trainer gives a state array of `shape` (a parameter,
+    an optimizer moment, a loss scale, ...) on a "data" mesh of `n_devices`.
+
+    "replicated": `P()`. "fsdp": split over "data" along its largest dimension that
+    divides by `n_devices` (the first such if several are as large), or `P()`
+    (replicated) if it has fewer than 1024 elements (`FSDP_MIN_SIZE`: biases, norm
+    scales, counters), no such dimension, or there is one device.
+
+    ```python
+    from jax.sharding import PartitionSpec as P
+    from lowtrain.train import array_spec
+
+    assert array_spec((64, 256), 8, "fsdp") == P(None, "data")
+    assert array_spec((100, 30), 8, "fsdp") == P()  # no dimension divides by 8
+    assert array_spec((256,), 8, "fsdp") == P()  # small: replicated
+    assert array_spec((64, 256), 8, "replicated") == P()
+    ```
+    """
+    return _SPECS[sharding](tuple(shape), n_devices)
+
+
+def _replicated_spec(shape: tuple[int, ...], n_devices: int) -> P:
+    return P()
+
+
+def _fsdp_spec(shape: tuple[int, ...], n_devices: int) -> P:
+    if n_devices == 1 or int(np.prod(shape, dtype=np.int64)) < FSDP_MIN_SIZE:
+        return P()
+    axes = [a for a, d in enumerate(shape) if d % n_devices == 0]
+    if not axes:
+        return P()
+    axis = max(axes, key=lambda a: (shape[a], -a))
+    return P(*(None,) * axis, "data")
+
+
+# The strategies `Trainer(sharding=...)` knows: name -> the spec of one state array.
+_SPECS = {"replicated": _replicated_spec, "fsdp": _fsdp_spec}
+
+
+def _state_sharding(mesh: Mesh, sharding: str, x) -> NamedSharding:
+    return NamedSharding(mesh, array_spec(x.shape, mesh.size, sharding))
+
+
+def constrain_state(mesh: Mesh, sharding: str, tree: PyTree) -> PyTree:
+    """`tree` with every array constrained to its `array_spec` (in a trace)."""
     return jax.tree.map(
         lambda x: (
-            jax.lax.with_sharding_constraint(x, sharding)
+            jax.lax.with_sharding_constraint(x, _state_sharding(mesh, sharding, x))
             if isinstance(x, jax.Array)
             else x
         ),
         tree,
     )
+
+
+def put_state(mesh: Mesh, sharding: str, tree: PyTree) -> PyTree:
+    """A copy of `tree` with every array placed on `mesh` as `array_spec` says."""
+    dynamic, static = eqx.partition(tree, eqx.is_array)
+    shardings = jax.tree.map(lambda x: _state_sharding(mesh, sharding, x), dynamic)
+    dynamic = put_global(dynamic, shardings)  # also multi-process
+    return eqx.combine(dynamic, static)
 
 
 def shard_batch(devices: Sequence[jax.Device], mesh: Mesh, batch: PyTree) -> PyTree:
@@ -47,10 +119,3 @@ def shard_batch(devices: Sequence[jax.Device], mesh: Mesh, batch: PyTree) -> PyT
         lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
         batch,
     )
-
-
-def put_replicated(mesh: Mesh, tree: PyTree) -> PyTree:
-    """A copy of `tree` with every array replicated on the devices of `mesh`."""
-    dynamic, static = eqx.partition(tree, eqx.is_array)
-    dynamic = put_global(dynamic, NamedSharding(mesh, P()))  # also multi-process
-    return eqx.combine(dynamic, static)

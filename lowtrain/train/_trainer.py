@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray, PyTree
 from tqdm import tqdm
 
 from .._amp import Policy
-from .._loss_scale import NoOpLossScale, _LossScale, scaled_value_and_grad
+from .._loss_scale import NoOpLossScale, _LossScale
+from ._accumulate import accumulated_value_and_grad, check_counts
 from ._fit import (
     check_loss,
     mean_metrics,
@@ -29,7 +29,7 @@ from ._fit import (
 )
 from ._hooks import Hook, StepInfo
 from ._metrics import JsonlWriter, global_norm
-from ._placement import put_replicated, replicated, shard_batch
+from ._placement import constrain_state, data_mesh, put_state, shard_batch
 from ._precision import Precision
 from ._precisions import resolve
 from ._state import TrainState
@@ -63,11 +63,13 @@ class Trainer:
     - `learning_rate`: a number or an Optax schedule, only for logging, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
     - `transform` (deprecated): "scalify" meant `precision=Scalify(policy)`.
-    - `devices`: data parallelism over these devices (default `jax.devices()`, all
-      devices of all processes): a 1-D `Mesh` named "data"; each batch is split along
-      its leading axis, which must divide by the number of devices; the state is
-      replicated. Gradients are averaged by XLA across devices, so a step computes
-      the same as on one device.
+    - `devices` (default `jax.devices()`, of all processes): a 1-D `Mesh` "data";
+      each batch is split along its leading axis (which must divide by the number of
+      devices), gradients averaged by XLA: a step computes the same as on one device.
+    - `sharding`: "replicated" (default) or "fsdp": parameters and optimizer state
+      split over "data" (`lowtrain.train.array_spec`), gathered by XLA where used.
+    - `grad_accum=K`: the gradients of K micro-batches of each batch averaged in
+      one step (`lax.scan`; README "Sharding and gradient accumulation").
 
     Override points: `loss(self, model, batch, *, key)` (required) returns a float
     scalar, or `(loss, aux)`; `evaluate(self, model, batch)` returns a dict of scalar
@@ -113,6 +115,8 @@ class Trainer:
         stop_on_nonfinite: bool | None = None,
         learning_rate: Callable[[Any], Any] | float | None = None,
         devices: Sequence[jax.Device] | None = None,
+        sharding: str = "replicated",
+        grad_accum: int = 1,
         transform: str | None = None,
     ):
         if type(self).loss is Trainer.loss:
@@ -138,20 +142,12 @@ class Trainer:
         self.model = model
         self.optimizer = optax.apply_if_finite(optimizer, _NEVER)
         self.loss_scale = loss_scale
-        if isinstance(redo_on_nan, bool) or not isinstance(redo_on_nan, int):
-            raise TypeError(f"Expected an int `redo_on_nan`, got {redo_on_nan!r}.")
-        if redo_on_nan < 0:
-            raise ValueError(f"Expected `redo_on_nan` >= 0, got {redo_on_nan}.")
-        self.redo_on_nan = redo_on_nan
+        self.redo_on_nan, self.grad_accum = check_counts(redo_on_nan, grad_accum)
         if stop_on_nonfinite is None:
             stop_on_nonfinite = isinstance(loss_scale, NoOpLossScale)
         self.stop_on_nonfinite = bool(stop_on_nonfinite)
         self.learning_rate = learning_rate
-        devices = list(jax.devices() if devices is None else devices)
-        if not devices:
-            raise ValueError("Expected at least one device in `devices`, got none.")
-        self.devices = devices
-        self.mesh = Mesh(np.array(devices), ("data",))
+        self.devices, self.mesh, self.sharding = data_mesh(devices, sharding)
         self.hooks: list[Hook] = []
 
     # -- override points ---------------------------------------------------------
@@ -182,14 +178,18 @@ class Trainer:
         The precision's hooks run in the order `Precision` lists them.
         """
         p = self.precision
-        value_and_grad = scaled_value_and_grad(
-            self._loss_with_aux, has_aux=True, redo_on_nan=self.redo_on_nan
+        value_and_grad = accumulated_value_and_grad(
+            self._loss_with_aux,
+            p,
+            grad_accum=self.grad_accum,
+            redo_on_nan=self.redo_on_nan,
+            mesh=self.mesh,
+            sharding=self.sharding,
         )
         key = jax.random.fold_in(state.key, state.step)
-        ((loss, aux), grads), loss_scale, finite = value_and_grad(
+        ((loss, aux), grads, extra), loss_scale, finite = value_and_grad(
             state.loss_scale, state.model, p.inputs(batch), key=key
         )
-        grads, extra = p.split_gradients(grads)
         params = eqx.filter(state.model, eqx.is_inexact_array)
         updates, opt_state = self.optimizer.update(
             p.to_optimizer(grads), state.opt_state, p.to_optimizer(params)
@@ -210,7 +210,7 @@ class Trainer:
             "grad_norm": global_norm(grads),
             "grads_finite": finite,
         }
-        return replicated(self.mesh, new_state), metrics
+        return constrain_state(self.mesh, self.sharding, new_state), metrics
 
     # -- hooks -------------------------------------------------------------------
 
@@ -226,7 +226,7 @@ class Trainer:
     # -- state, placement, compiled steps ----------------------------------------
 
     def init(self, *, key: PRNGKeyArray) -> TrainState:
-        """A fresh `TrainState` (step 0) for `self.model`, replicated on `devices`.
+        """A fresh `TrainState` (step 0) for `self.model`, placed as `sharding` says.
 
         Parameters are cast (`precision.cast_params`, a copy: the constructor's model
         is never donated), the optimizer state initialised on them as the optimizer
@@ -240,7 +240,7 @@ class Trainer:
         state = TrainState(
             jnp.zeros((), jnp.int32), model, opt_state, self.loss_scale, key
         )
-        return put_replicated(self.mesh, state)
+        return put_state(self.mesh, self.sharding, state)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Place `batch` on the devices, split along its leading axis.

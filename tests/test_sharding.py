@@ -1,0 +1,185 @@
+"""`Trainer(sharding="fsdp")`: the state split over 8 CPU devices trains as the
+replicated one does, in every precision; `array_spec`; `amp` keeps inner jits'
+shardings."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lowtrain
+from lowtrain.train import array_spec
+
+from .helpers import SGD, Regression, eqns_of, make_model
+
+ROOT = pathlib.Path(__file__).parent.parent
+EIGHT = {
+    **os.environ,
+    "JAX_PLATFORMS": "cpu",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+}
+
+MLP_CHILD = """
+import json, sys
+import jax, numpy as np
+sys.path.insert(0, ".")
+from tests.helpers import SGD, Mse, batch_of, make_model
+
+assert len(jax.devices()) == 8
+out = {}
+for name, options in [("replicated", {}), ("fsdp", {"sharding": "fsdp"}),
+                      ("fsdp_accum", {"sharding": "fsdp", "grad_accum": 2})]:
+    trainer = Mse(make_model(512), SGD(1e-2), **options)
+    state = trainer.init(key=jax.random.key(1))
+    specs = [str(x.sharding.spec) for x in jax.tree.leaves(state.model)
+             if isinstance(x, jax.Array)]
+    losses = []
+    for step in range(3):
+        state, m = trainer.compiled_step(trainer.shard_batch(batch_of(32, step)), state)
+        losses.append(float(m["loss"]))
+    leaves = [x for x in jax.tree.leaves((state.model, state.opt_state))
+              if isinstance(x, jax.Array)]
+    out[name] = {
+        "losses": losses, "specs": specs,
+        "after": [str(x.sharding.spec) for x in jax.tree.leaves(state.model)
+                  if isinstance(x, jax.Array)],
+        "leaves": [np.asarray(x, np.float32).ravel().tolist() for x in leaves],
+    }
+# `init` again after steps: the donated state never aliased the trainer's model.
+try:
+    Mse(make_model(512), SGD(1e-2), grad_accum=8).compiled_step(
+        trainer.shard_batch(batch_of(32)), trainer.init(key=jax.random.key(1)))
+except ValueError as e:
+    out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def run_on_8_devices(*args):
+    """`python *args` with 8 forced CPU devices: the JSON of its last line."""
+    done = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=EIGHT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_fsdp_cases(*cases):
+    """`scripts/fsdp_check.py`: per case, the loss trajectories replicated and
+    FSDP, and the per-device bytes of the state."""
+    return run_on_8_devices("scripts/fsdp_check.py", "--steps", "10", *cases)
+
+
+def test_fsdp_and_grad_accum_on_8_devices_match_replicated(tmp_path):
+    path = tmp_path / "child.py"
+    path.write_text(textwrap.dedent(MLP_CHILD))
+    out = run_on_8_devices(str(path))
+    # MLP(4 -> 512 -> 2): the (512, 4) and (2, 512) weights split along 512, the
+    # biases (512 and 2 elements) replicated; the step keeps that placement.
+    split = ["P('data',)", "P()", "P(None, 'data')", "P()"]
+    assert out["fsdp"]["specs"] == out["fsdp"]["after"] == split
+    assert set(out["replicated"]["after"]) == {"P()"}
+    rep = out["replicated"]
+    for name in ("fsdp", "fsdp_accum"):
+        np.testing.assert_allclose(out[name]["losses"], rep["losses"], atol=1e-6)
+        for a, b in zip(out[name]["leaves"], rep["leaves"]):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert out["error"].startswith(
+        "Expected every batch array's leading axis to divide by grad_accum x "
+        "devices (8 x 8), got shape (32, 4)"
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_gpt_fp32_matches_replicated_in_an_eighth_of_the_bytes():
+    out = run_fsdp_cases("gpt_fp32")["gpt_fp32"]
+    rep, fsdp = np.array(out["replicated"]["losses"]), np.array(out["fsdp"]["losses"])
+    assert len(rep) == 10 and rep[-1] < rep[0]
+    np.testing.assert_allclose(fsdp, rep, atol=1e-5, rtol=0)
+    # Every device holds all of the replicated state, an eighth (plus the small
+    # replicated arrays) of the FSDP one.
+    assert out["replicated"]["device_bytes"] == out["replicated"]["total_bytes"]
+    ratio = out["fsdp"]["device_bytes"] / out["replicated"]["device_bytes"]
+    assert ratio <= 1 / 8 + 0.05, ratio
+    assert (
+        out["fsdp"]["sharded_arrays"] > 0 and out["replicated"]["sharded_arrays"] == 0
+    )
+
+
+@pytest.mark.slow
+def test_fsdp_low_precisions_match_replicated():
+    cases = ("gpt_bf16", "gpt_fp8", "gpt_scalify", "gpt_unit", "delayed_fp8")
+    out = run_fsdp_cases(*cases)
+    for case in cases:
+        rep = np.array(out[case]["replicated"]["losses"])
+        fsdp = np.array(out[case]["fsdp"]["losses"])
+        assert np.all(np.isfinite(rep)) and rep[-1] < rep[0], case
+        np.testing.assert_allclose(fsdp, rep, atol=1e-3, rtol=0, err_msg=case)
+        assert out[case]["fsdp"]["sharded_arrays"] > 0, case
+        ratio = out[case]["fsdp"]["device_bytes"] / out[case]["fsdp"]["total_bytes"]
+        assert ratio <= 1 / 8 + 0.05, (case, ratio)
+    # The delayed-scaling state (amax histories: small) is replicated and updated.
+    assert out["delayed_fp8"]["fsdp"]["amax_history_max"] > 0
+
+
+def test_array_spec_splits_the_largest_divisible_dimension():
+    assert array_spec((64, 256), 8, "fsdp") == P(None, "data")
+    assert array_spec((256, 64), 8, "fsdp") == P("data")
+    assert array_spec((2, 64, 192), 8, "fsdp") == P(None, None, "data")
+    assert array_spec((64, 64), 8, "fsdp") == P("data")  # a tie: the first
+    assert array_spec((100, 48), 8, "fsdp") == P(None, "data")  # 100 % 8 != 0
+    assert array_spec((100, 30), 8, "fsdp") == P()  # no dimension divides
+    assert array_spec((1023,), 3, "fsdp") == P()  # under FSDP_MIN_SIZE
+    assert array_spec((1024,), 8, "fsdp") == P("data")
+    assert array_spec((), 8, "fsdp") == P()
+    assert array_spec((64, 256), 1, "fsdp") == P()
+    assert array_spec((64, 256), 8, "replicated") == P()
+
+
+def test_fsdp_on_one_device_and_bad_sharding():
+    trainer = Regression(make_model(512), SGD(1e-2), sharding="fsdp")
+    state = trainer.init(key=jax.random.key(1))
+    w = state.model.layers[0].weight
+    assert w.sharding.spec == P()  # one device: nothing to split
+    assert w.sharding.mesh.axis_names == ("data",)
+    with pytest.raises(ValueError, match="Expected `sharding` 'replicated' or 'fsdp'"):
+        Regression(make_model(), optax.sgd(0.1), sharding="zero3")
+
+
+def test_amp_keeps_the_shardings_of_an_inner_jit():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    rows = NamedSharding(mesh, P("data"))
+    cols = NamedSharding(mesh, P(None, "data"))
+    inner = jax.jit(lambda x: jnp.sin(x) @ x.T, in_shardings=cols, out_shardings=rows)
+    fn = lowtrain.amp(lambda x: inner(x) * 2.0, "bf16")
+    x = jnp.ones((8, 4))
+    constraints = eqns_of(fn, x, prim="sharding_constraint")
+    assert [e.params["sharding"] for e in constraints] == [cols, rows]
+    assert np.dtype(constraints[1].invars[0].aval.dtype) == np.dtype("bfloat16")
+    # ... and in the lowered program.
+    text = jax.jit(fn).lower(x).as_text()
+    found = re.findall(r"sdy.sharding_constraint %\d+ <@mesh, (.*?)> : (\S+)", text)
+    # (amp casts the inputs on entry: the inner jit's input is bfloat16 too)
+    assert found == [
+        ('[{}, {"data"}]', "tensor<8x4xbf16>"),
+        ('[{"data"}, {}]', "tensor<8x8xbf16>"),
+    ]
+    # An inner jit without shardings adds no constraint.
+    plain = lowtrain.amp(lambda x: jax.jit(jnp.sin)(x) * 2.0, "bf16")
+    assert not eqns_of(plain, x, prim="sharding_constraint")
