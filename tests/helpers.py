@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import lowtrain
@@ -137,13 +138,14 @@ def make_model(width=16):
 
 def snapshot(tree):
     """Host copies of every array (key data for PRNG keys): donation reuses buffers.
-    (Of this process's copy, for a state replicated over several processes.)"""
+    An array spread over several processes is gathered whole (a collective: every
+    process must call this)."""
     out = []
     for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            x = x.addressable_data(0)
+            x = multihost_utils.process_allgather(x, tiled=True)
         out.append(np.array(x, copy=True))
     return out
 

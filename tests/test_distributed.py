@@ -12,13 +12,15 @@ from lowtrain.recipes._mnist_data import load_mnist
 from .helpers import fake_mnist, free_port, run_processes
 
 # argv: out_dir, processes, process_id, port, steps, resume (0/1), checkpoint_every,
-# async_checkpoint (0/1).
+# async_checkpoint (0/1), sharding, model width.
 # Trains `Regression` on all devices of all processes; process 0 writes the loss of
 # every step (metrics.jsonl) and the final state (final.npz).
 WORKER = """
     import os, sys
-    out, n, pid, port, steps, resume, every, asynchronous = sys.argv[1:]
-    n, pid, steps, every = int(n), int(pid), int(steps), int(every)
+    out, n, pid, port, steps, resume, every, asynchronous, sharding, width = (
+        sys.argv[1:]
+    )
+    n, pid, steps, every, width = map(int, (n, pid, steps, every, width))
     import jax
     if n > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -30,7 +32,7 @@ WORKER = """
     from tests.helpers import SGD, Regression, make_data, make_model, snapshot
 
     assert jax.device_count() == 4 and jax.local_device_count() == 4 // n
-    trainer = Regression(make_model(), SGD(1e-2))
+    trainer = Regression(make_model(width), SGD(1e-2), sharding=sharding)
     state = trainer.fit(
         trainer.init(key=jax.random.key(1)),
         make_data(n=64, batch_size=16, process=(pid, n)),
@@ -44,17 +46,29 @@ WORKER = """
         async_checkpoint=asynchronous == "1",
         progress=False,
     )
+    final = snapshot(state)  # a collective: on every process
     if pid == 0:
-        np.savez(os.path.join(out, "final.npz"), *snapshot(state))
+        np.savez(os.path.join(out, "final.npz"), *final)
 """
 
 
-def train(out, processes, steps=30, *, resume=False, every=15, asynchronous=False):
+def train(
+    out,
+    processes,
+    steps=30,
+    *,
+    resume=False,
+    every=15,
+    asynchronous=False,
+    sharding="replicated",
+    width=16,
+):
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={4 // processes}"}
     argvs = [
         (out, processes, i, port, steps, int(resume), every, int(asynchronous))
+        + (sharding, width)
         for i in range(processes)
     ]
     for code, output in run_processes(WORKER, argvs, env=env, timeout=180):
@@ -88,6 +102,30 @@ def test_two_processes_train_as_one(two_processes, tmp_path):
     assert names == ["ckpt_00000015", "ckpt_00000030"]
     arrays = out / "ckpt" / "ckpt_00000030" / "arrays"
     assert {p.name for p in arrays.iterdir()} >= {"ocdbt.process_0", "ocdbt.process_1"}
+
+
+@pytest.mark.slow  # four launches of about 40 s each
+def test_two_processes_fsdp_train_as_one_and_resume(tmp_path):
+    """FSDP over 2 processes x 2 devices: a model wide enough to be sharded (its
+    two matrices, 512 x 4 and 2 x 512, split over the 4 devices) trains as one
+    process with 4 replicated devices, and resumes from its checkpoint bit for bit."""
+    kw = {"width": 512}
+    one_losses, one_final = train(tmp_path / "one", 1, **kw)
+    losses, final = train(tmp_path / "two", 2, sharding="fsdp", **kw)
+    np.testing.assert_allclose(losses, one_losses, rtol=0, atol=1e-6)
+    for a, b in zip(final, one_final):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    shards = tmp_path / "two" / "ckpt" / "ckpt_00000030" / "arrays"
+    assert {p.name for p in shards.iterdir()} >= {"ocdbt.process_0", "ocdbt.process_1"}
+    resumed_dir = tmp_path / "resumed"
+    (resumed_dir / "ckpt").mkdir(parents=True)
+    shutil.copytree(
+        tmp_path / "two" / "ckpt" / "ckpt_00000015",
+        resumed_dir / "ckpt" / "ckpt_00000015",
+    )
+    resumed_losses, resumed = train(resumed_dir, 2, resume=True, sharding="fsdp", **kw)
+    assert resumed_losses == losses[15:]
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, final))
 
 
 def test_two_processes_resume_bit_for_bit(two_processes, tmp_path):

@@ -15,10 +15,10 @@ def put_global(tree: PyTree, shardings: PyTree) -> PyTree:
 
     `jax.device_put` of a copy on one process (copied first: onto several devices,
     `device_put(..., may_alias=False)` still reuses the source buffer for one shard,
-    which a donating step then deletes). In a multi-process run the shardings span devices
-    that this process cannot address, which `jax.device_put` refuses for arrays
-    already on a device: each process then passes the same values, and puts the
-    parts of its own devices from a host copy (`jax.make_array_from_callback`).
+    which a donating step then deletes). In a multi-process run the shardings span
+    devices that this process cannot address, which `jax.device_put` refuses for
+    arrays already on a device: each process then passes the same values, and puts
+    the parts of its own devices from a host copy (`jax.make_array_from_callback`).
     """
     if isinstance(shardings, Sharding):
         shardings = jax.tree.map(lambda _: shardings, tree)
