@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--overhead-steps", type=int, default=None, help="steps per fit/loop chunk"
     )
     parser.add_argument(
+        "--overhead-rounds", type=int, default=None, help="timed chunks of each"
+    )
+    parser.add_argument(
         "--isolate",
         choices=["auto", "yes", "no"],
         default="auto",
@@ -84,6 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps < 20:
         parser.error(f"Expected --steps >= 20, got {args.steps} instead.")
     args.overhead_steps = args.overhead_steps or (10 if args.quick else 50)
+    args.overhead_rounds = args.overhead_rounds or (2 if args.quick else 4)
     return args
 
 
@@ -136,10 +140,8 @@ def measure(model_name: str, precision: str, args) -> dict:
         "dot_generals": dots,
     }
     if model_name in ("gpt", "quick"):
-        chunk = args.overhead_steps
-        rounds = 2 if args.quick else 4
         row["overhead"] = overhead.trainer_overhead(
-            case, data, chunk=chunk, rounds=rounds
+            case, data, chunk=args.overhead_steps, rounds=args.overhead_rounds
         )
     return row
 
@@ -153,6 +155,7 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
             *(["--quick"] if args.quick else ["--models", model_name]),
             *("--precisions", precision, "--out", out, "--isolate", "no"),
             *("--steps", str(args.steps), "--overhead-steps", str(args.overhead_steps)),
+            *("--overhead-rounds", str(args.overhead_rounds)),
             *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
         ]
         subprocess.run(command, check=True, stdout=sys.stderr)
@@ -178,11 +181,13 @@ def main(argv=None) -> None:
             run = measure_isolated if isolate else measure
             rows.append(run(model_name, precision, args))
             print(benchtable.row_line(rows[-1]), flush=True)
-    tables = benchtable.markdown(rows, machine, device, args)
+            # Written after every row: a long run interrupted keeps what it measured.
+            tables = benchtable.markdown(rows, machine, device, args)
+            (out / "bench.md").write_text(tables + "\n")
+            meta = {"machine": machine, "device": device, "argv": sys.argv[1:]}
+            rows_json = json.dumps({**meta, "rows": rows}, indent=2)
+            (out / "bench.json").write_text(rows_json)
     print("\n" + tables)
-    (out / "bench.md").write_text(tables + "\n")
-    meta = {"machine": machine, "device": device, "argv": sys.argv[1:]}
-    (out / "bench.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
     benchtable.bar_chart(rows, out / "bench.png", device)
     print(
         f"\nWrote {out}/bench.md, bench.json, bench.png "
