@@ -16,9 +16,9 @@ For each model (`gpt`: the recipes' char-GPT, 4 layers, width 128, context 64, b
 - tokens/s; MFU: model FLOPs (6 x parameters x tokens + attention) per second over
   the device's dense peak for the precision's matmul dtype (H100 SXM, H200, A100;
   "unknown" elsewhere, e.g. on a CPU);
-- peak memory: on a GPU `peak_bytes_in_use` of the device, each case in its own
-  process; on a CPU XLA's memory analysis of the compiled step (arguments + outputs
-  - donated + temporaries);
+- peak memory: on a GPU `peak_bytes_in_use` of the device after the Trainer's first
+  step, each case in its own process; on a CPU XLA's memory analysis of the compiled
+  step (arguments + outputs - donated + temporaries);
 - compile time: the step's first call (trace, compile and one step) minus its median;
 - FP8 GEMMs: on a GPU, the `__cublas$lt$matmul$f8` custom calls in the optimized HLO
   against the `dot_general`s of the step (forward and backward);
@@ -96,23 +96,25 @@ def measure(model_name: str, precision: str, args) -> dict:
     case = throughput.make_case(model_name, precision, args.batch_size)
     data = throughput.synthetic_data(case)
     batch = jax.device_put(data(0))
-    fns, states = {}, {}
-    fns["lowtrain"], states["lowtrain"] = throughput.lowtrain_step(case)
+    gpu = jax.default_backend() == "gpu"
+    builders = {"lowtrain": throughput.lowtrain_step}
     if case.hand_loss is not None:
-        fns["hand"], states["hand"] = throughput.hand_step(case)
-    first = {}
-    for name, fn in fns.items():  # the first call compiles
-        t0 = time.perf_counter()
-        *state, _ = jax.block_until_ready(fn(*states[name], batch))
+        builders["hand"] = throughput.hand_step
+    fns, states, first, memory = {}, {}, {}, None
+    for name, build in builders.items():
+        fns[name], state = build(case)
+        t0 = time.perf_counter()  # the first call compiles
+        *state, _ = jax.block_until_ready(fns[name](*state, batch))
         first[name], states[name] = time.perf_counter() - t0, tuple(state)
+        if gpu and name == "lowtrain":  # before the hand step allocates anything
+            memory = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+    # A separate compile for XLA's view of the step (its buffers are donated below).
+    hlo, analysis, lowered = throughput.compile_step(case, states["lowtrain"][0], batch)
     times, losses = timing.interleaved(
         fns, states, (batch,), steps=args.steps, round_len=5, warmup=2
     )
     step = {name: statistics.median(ts) for name, ts in times.items()}
-    gpu = jax.default_backend() == "gpu"
-    hlo, analysis, lowered = throughput.compile_step(case, states["lowtrain"][0], batch)
     if gpu:
-        memory = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
         fp8_gemms, dots = throughput.count_fp8_gemms(hlo, lowered)
     else:
         memory, fp8_gemms, dots = throughput.analysis_bytes(analysis), None, None
