@@ -119,6 +119,9 @@ def test_out_of_range_values_are_errors_naming_the_key(override, message):
     [
         (("model.n_head=3",), "Expected `model.n_embd` divisible by `model.n_head`"),
         (("data.val_fraction=1.0",), "Expected `data.val_fraction` in (0, 1)"),
+        (("model.dropout=1.0",), "Expected `model.dropout` in [0, 1), got 1.0"),
+        (("model.dropout=-0.1",), "Expected `model.dropout` in [0, 1), got -0.1"),
+        (("model.vocab_size=0",), "Expected `model.vocab_size` > 0, got 0"),
     ],
 )
 def test_gpt_values_are_checked(overrides, message):
@@ -506,20 +509,6 @@ def test_gpt_small_has_gpt2_smalls_shape():
     model = jax.eval_shape(lambda: gpt.build_model(m, 65, key=jax.random.key(0))[0])
     n = sum(x.size for x in jax.tree.leaves(model))
     assert n == 50304 * 768 + 1024 * 768 + 12 * (12 * 768**2 + 13 * 768) + 2 * 768
-
-
-@pytest.mark.parametrize(
-    "override, message",
-    [
-        ("model.dropout=1.0", "Expected `model.dropout` in [0, 1), got 1.0"),
-        ("model.dropout=-0.1", "Expected `model.dropout` in [0, 1), got -0.1"),
-        ("model.vocab_size=0", "Expected `model.vocab_size` > 0, got 0"),
-    ],
-)
-def test_gpt_dropout_and_vocab_are_checked(override, message):
-    with pytest.raises(Exception) as info:
-        _run.to_config(make_config("recipe=gpt_gpu", override))
-    assert message in _error_chain(info.value)
     with pytest.raises(ValueError, match="Expected `model.vocab_size` >= the data"):
         gpt.build_model(_config.GPTConfig(vocab_size=10), 65, key=jax.random.key(0))
 
