@@ -204,10 +204,22 @@ class GPTConfig:
     n_embd: int = 128
     block_size: int = 64  # context length: the length of the training crops
     scan_layers: bool = True  # run the blocks under `lax.scan`: one block to compile
+    # nanoGPT's dropout (embeddings, attention weights, residual branches) in
+    # training; 0.0 adds no op, so the step is bit for bit the one without it.
+    dropout: float = 0.0
+    # None: the data's vocabulary; else the embedding's rows, at least the data's
+    # (GPT-2's 50257 tokens padded to 50304, a multiple of 64, for the matmuls).
+    vocab_size: int | None = None
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
             _positive(getattr(self, name), f"model.{name}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(
+                f"Expected `model.dropout` in [0, 1), got {self.dropout} instead."
+            )
+        if self.vocab_size is not None:
+            _positive(self.vocab_size, "model.vocab_size")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"Expected `model.n_embd` divisible by `model.n_head`, got "

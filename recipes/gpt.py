@@ -37,8 +37,27 @@ from ._text_data import CharText, Crops, load_text
 EVAL_SEED = 1234  # the same validation crops for every run, whatever its seed
 
 
+def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
+    """Inverted dropout: each entry of `x` zeroed with probability `rate`, the rest
+    divided by `1 - rate`; `x` itself when `key` is None (evaluation) or `rate` is 0
+    (then no op is added: the step is the one without dropout)."""
+    if key is None or rate == 0:
+        return x
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), 0)
+
+
+def _split(key: PRNGKeyArray | None, n: int) -> list:
+    """`n` keys from `key`, or `n` Nones."""
+    return [None] * n if key is None else list(jax.random.split(key, n))
+
+
 class Block(eqx.Module):
-    """`x + attn(ln1(x))`, then `x + mlp(ln2(x))`: `(B, T, C) -> (B, T, C)`."""
+    """`x + attn(ln1(x))`, then `x + mlp(ln2(x))`: `(B, T, C) -> (B, T, C)`.
+
+    With `dropout` > 0 and a `key`, nanoGPT's three dropouts: on the attention
+    weights, and on the attention's and the MLP's outputs before the residual add.
+    """
 
     ln1: LayerNorm
     qkv: Linear
@@ -47,6 +66,7 @@ class Block(eqx.Module):
     fc: Linear
     out: Linear
     n_head: int = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
 
     def __init__(self, c: GPTConfig, *, key: PRNGKeyArray):
         k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -59,9 +79,11 @@ class Block(eqx.Module):
         self.proj = Linear(d, d, std=res, key=k2)
         self.fc = Linear(d, 4 * d, std=0.02, key=k3)
         self.out = Linear(4 * d, d, std=res, key=k4)
-        self.n_head = c.n_head
+        self.n_head, self.dropout = c.n_head, c.dropout
 
-    def attention(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
+    def attention(
+        self, x: Float[Array, "B T C"], key: PRNGKeyArray | None = None
+    ) -> Float[Array, "B T C"]:
         b, t, c = x.shape
         hs = c // self.n_head
         q, k, v = (
@@ -71,12 +93,17 @@ class Block(eqx.Module):
         att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hs)
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
         att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)  # (B,nh,T,T)
+        att = _dropout(att, self.dropout, key)
         y = jnp.einsum("bhqk,bkhd->bqhd", att, v)  # (B, T, nh, hs)
         return self.proj(y.reshape(b, t, c))
 
-    def __call__(self, x: Float[Array, "B T C"]) -> Float[Array, "B T C"]:
-        x = x + self.attention(self.ln1(x))
-        return x + self.out(jax.nn.gelu(self.fc(self.ln2(x)), approximate=False))
+    def __call__(
+        self, x: Float[Array, "B T C"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "B T C"]:
+        k_att, k_res1, k_res2 = _split(key if self.dropout else None, 3)
+        x = x + _dropout(self.attention(self.ln1(x), k_att), self.dropout, k_res1)
+        h = self.out(jax.nn.gelu(self.fc(self.ln2(x)), approximate=False))
+        return x + _dropout(h, self.dropout, k_res2)
 
 
 class GPT(eqx.Module):
@@ -87,6 +114,7 @@ class GPT(eqx.Module):
     blocks: Block  # n_layer blocks, each array stacked on a leading axis
     ln_f: LayerNorm
     scan_layers: bool = eqx.field(static=True)
+    dropout: float = eqx.field(static=True)
 
     def __init__(self, c: GPTConfig, vocab: int, *, key: PRNGKeyArray):
         # `c` is checked when it is built (`GPTConfig.__post_init__`).
@@ -96,18 +124,33 @@ class GPT(eqx.Module):
         keys = jax.random.split(k_blocks, c.n_layer)
         self.blocks = eqx.filter_vmap(lambda k: Block(c, key=k))(keys)
         self.ln_f = LayerNorm(c.n_embd)
-        self.scan_layers = c.scan_layers
+        self.scan_layers, self.dropout = c.scan_layers, c.dropout
 
-    def __call__(self, tokens: Int[Array, "B T"]) -> Float[Array, "B T V"]:
+    def __call__(
+        self, tokens: Int[Array, "B T"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "B T V"]:
+        """The logits; `key` draws the dropout masks (None, or `dropout` 0: none)."""
         b, t = tokens.shape
         x = self.wte[tokens] + jnp.broadcast_to(self.wpe[:t], (b, t, self.wpe.shape[1]))
         params, static = eqx.partition(self.blocks, eqx.is_array)
+        n_layer = jax.tree.leaves(params)[0].shape[0]
+        if key is None or self.dropout == 0:  # no keys traced: the step without it
+            layer_keys = None
+        else:
+            key, k_emb = jax.random.split(key)
+            x = _dropout(x, self.dropout, k_emb)
+            layer_keys = jax.random.split(key, n_layer)
         if self.scan_layers:
-            x, _ = lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)
+            x, _ = lax.scan(
+                lambda x, pk: (eqx.combine(pk[0], static)(x, key=pk[1]), None),
+                x,
+                (params, layer_keys),
+            )
         else:  # unrolled: each block traced and compiled on its own
-            for i in range(jax.tree.leaves(params)[0].shape[0]):
+            for i in range(n_layer):
                 layer = jax.tree.map(operator.itemgetter(i), params)
-                x = eqx.combine(layer, static)(x)
+                k = None if layer_keys is None else layer_keys[i]
+                x = eqx.combine(layer, static)(x, key=k)
         return jnp.einsum("btc,vc->btv", self.ln_f(x), self.wte)
 
 
@@ -115,7 +158,7 @@ class GptTrainer(lowtrain.Trainer):
     """Mean next-character cross-entropy (nats/char) over the batch and positions."""
 
     def loss(self, model, batch, *, key):
-        logits = model(batch["x"]).astype(jnp.float32)  # (B, T, V)
+        logits = model(batch["x"], key=key).astype(jnp.float32)  # (B, T, V)
         logp = jax.nn.log_softmax(logits)
         picked = jnp.take_along_axis(logp, batch["y"][..., None], -1)  # (B, T, 1)
         return -jnp.mean(picked)
@@ -130,7 +173,16 @@ class UnitGptTrainer(lowtrain.Trainer):
 
 
 def build_model(m: GPTConfig | GPTUnitConfig, vocab: int, *, key):
-    """The GPT `model=gpt` or `model=gpt_unit` describes, and its Trainer class."""
+    """The GPT `model=gpt` or `model=gpt_unit` describes, and its Trainer class.
+    `vocab` is the data's vocabulary size; `model.vocab_size` pads it."""
+    if isinstance(m, GPTConfig) and m.vocab_size is not None:
+        if m.vocab_size < vocab:
+            raise ValueError(
+                f"Expected `model.vocab_size` >= the data's {vocab} tokens, got "
+                f"{m.vocab_size} instead. Pass `model.vocab_size=null` to use the "
+                "data's vocabulary."
+            )
+        vocab = m.vocab_size
     if isinstance(m, GPTUnitConfig):
         model = uu.TransformerDecoder(
             m.n_embd, vocab, layers=m.n_layer, heads=m.n_head, key=key

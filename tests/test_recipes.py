@@ -28,6 +28,7 @@ from lowtrain.recipes import (
     _mnist_data,
     _run,
     _text_data,
+    gpt,
     mnist,
     optim,
     precisions,
@@ -118,6 +119,9 @@ def test_out_of_range_values_are_errors_naming_the_key(override, message):
     [
         (("model.n_head=3",), "Expected `model.n_embd` divisible by `model.n_head`"),
         (("data.val_fraction=1.0",), "Expected `data.val_fraction` in (0, 1)"),
+        (("model.dropout=1.0",), "Expected `model.dropout` in [0, 1), got 1.0"),
+        (("model.dropout=-0.1",), "Expected `model.dropout` in [0, 1), got -0.1"),
+        (("model.vocab_size=0",), "Expected `model.vocab_size` > 0, got 0"),
     ],
 )
 def test_gpt_values_are_checked(overrides, message):
@@ -516,6 +520,57 @@ def test_gpt_unit_runs(tmp_path, recipe):
     check_outputs(tmp_path / "run", "val_loss")
     assert summary["precision"] == recipe.removeprefix("gpt_")
     assert summary["final"]["val_loss"] < np.log(14)  # learnt something in 12 steps
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
+def test_gpt_gpu_recipes_have_nanogpts_shakespeare_char_shape(precision):
+    config = _run.to_config(make_config(f"recipe=gpt_gpu_{precision}"))
+    m, t, o = config.model, config.trainer, config.optimizer
+    assert isinstance(m, _config.GPTConfig) and config.task == "gpt"
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (6, 6, 384, 256)
+    assert m.dropout == 0.2 and m.vocab_size is None
+    assert (t.steps, t.batch_size) == (5000, 64)
+    assert (o.lr, o.b2, o.min_lr, o.warmup_steps) == (1e-3, 0.99, 1e-4, 100)
+    assert config.precision.name == precision
+    built = _common.trainer_options(config)["precision"]
+    assert built.policy == lowtrain.get_policy(precision)
+
+
+def test_gpt_small_has_gpt2_smalls_shape():
+    config = _run.to_config(make_config("recipe=gpt", "model=gpt_small"))
+    m = config.model
+    assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (12, 12, 768, 1024)
+    assert (m.vocab_size, m.dropout, m.scan_layers) == (50304, 0.0, True)
+    # 124M parameters with GPT-2's shape (the embedding tied to the head), counted
+    # on shapes only: nothing is allocated.
+    model = jax.eval_shape(lambda: gpt.build_model(m, 65, key=jax.random.key(0))[0])
+    n = sum(x.size for x in jax.tree.leaves(model))
+    assert n == 50304 * 768 + 1024 * 768 + 12 * (12 * 768**2 + 13 * 768) + 2 * 768
+    with pytest.raises(ValueError, match="Expected `model.vocab_size` >= the data"):
+        gpt.build_model(_config.GPTConfig(vocab_size=10), 65, key=jax.random.key(0))
+
+
+def test_gpt_dropout(getkey):
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    plain = gpt.GPT(_config.GPTConfig(2, 2, 16, 8), 16, key=jax.random.key(0))
+    config = _config.GPTConfig(2, 2, 16, 8, dropout=0.5)
+    drop = gpt.GPT(config, 16, key=jax.random.key(0))
+    # Dropout 0 adds no op (the step of every existing recipe is unchanged), and a
+    # key without dropout, or dropout without a key (evaluation), is the plain model.
+    jaxpr = lambda m, **kw: str(jax.make_jaxpr(lambda t: m(t, **kw))(tokens))
+    assert jaxpr(plain, key=getkey()) == jaxpr(plain)
+    assert "random_bits" not in jaxpr(plain, key=getkey())
+    assert np.array_equal(drop(tokens), plain(tokens))
+    # In training the masks depend on the key only.
+    a, b = drop(tokens, key=jax.random.key(1)), drop(tokens, key=jax.random.key(2))
+    assert a.dtype == jnp.float32 and not np.allclose(a, b)
+    assert np.array_equal(a, drop(tokens, key=jax.random.key(1)))
+    # Inverted dropout: a share `rate` of zeros, the rest divided by 1 - rate.
+    x = jnp.ones((100, 100))
+    y = gpt._dropout(x, 0.2, jax.random.key(3))
+    assert y.dtype == jnp.float32
+    assert set(np.unique(y).tolist()) == {0.0, np.float32(1 / 0.8)}
+    assert abs(float(jnp.mean(y == 0)) - 0.2) < 0.02
 
 
 def test_mnist_unit_fp8_composes():

@@ -1,0 +1,201 @@
+"""One benchmark command: step time, tokens/s, MFU, memory and compile time of the
+char-GPT and a GPU-size GPT in every precision the recipes have.
+
+For each model (`gpt`: the recipes' char-GPT, 4 layers, width 128, context 64, batch
+32; `gpt_small`: `model=gpt_small`, GPT-2 small's shape, context 1024, vocabulary
+50304, on synthetic tokens) and precision (fp32, bf16, fp16, fp8, scalify_fp8 from
+`recipe=gpt_<precision>`; unit_fp32, unit_fp8: `model=gpt_unit` from
+`recipe=gpt_unit_fp32|fp8`), the Trainer is built as `python -m lowtrain` builds it
+(`scripts/benchlib/throughput.py`) and its compiled step is timed:
+
+- step time: the median over `--steps` (>= 20) steps after warm-up, interleaved in
+  rounds of 5 with the same step written by hand with explicit casts
+  (`benchlib.models`: the float32 loss for fp32, mixed precision placed by hand for
+  bf16/fp16, jmp/mpx style; no twin for the FP8 and unit-scaled precisions) in the
+  same process; `lowtrain / hand` is their ratio;
+- tokens/s; MFU: model FLOPs (6 x parameters x tokens + attention) per second over
+  the device's dense peak for the precision's matmul dtype (H100 SXM, H200, A100;
+  "unknown" elsewhere, e.g. on a CPU);
+- peak memory: on a GPU `peak_bytes_in_use` of the device after the Trainer's first
+  step, each case in its own process; on a CPU XLA's memory analysis of the compiled
+  step (arguments + outputs - donated + temporaries);
+- compile time: the step's first call (trace, compile and one step) minus its median;
+- FP8 GEMMs: on a GPU, the `__cublas$lt$matmul$f8` custom calls in the optimized HLO
+  against the `dot_general`s of the step (forward and backward);
+- the Trainer's overhead (char-GPT only): `Trainer.fit` against a plain loop calling
+  the same compiled step on the same data, interleaved (`benchlib/overhead.py`).
+
+Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`.
+
+    python scripts/bench.py                      # both models, every precision
+    python scripts/bench.py --models gpt         # the char-GPT only (CPU-sized)
+    python scripts/bench.py --quick              # a tiny GPT, 20 steps: seconds
+    python scripts/bench.py --precisions fp32,bf16 --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+from benchlib import benchtable, overhead, report, throughput, timing
+
+PRECISIONS = list(throughput.RECIPES)
+MODELS = ["gpt", "gpt_small"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT, 20 steps")
+    parser.add_argument("--out", default="bench_out", help="folder for the files")
+    parser.add_argument("--models", default=",".join(MODELS), help="gpt,gpt_small")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (>= 20)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: recipe")
+    parser.add_argument(
+        "--overhead-steps", type=int, default=None, help="steps per fit/loop chunk"
+    )
+    parser.add_argument(
+        "--overhead-rounds", type=int, default=None, help="timed chunks of each"
+    )
+    parser.add_argument(
+        "--isolate",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="each case in its own process (auto: on a GPU, for peak memory)",
+    )
+    args = parser.parse_args(argv)
+    args.models = args.models.split(",")
+    args.precisions = args.precisions.split(",")
+    for name, given, known in [
+        ("--models", args.models, MODELS),
+        ("--precisions", args.precisions, PRECISIONS),
+    ]:
+        if unknown := set(given) - set(known):
+            parser.error(f"Expected {name} from {known}, got {sorted(unknown)}.")
+    if args.quick:
+        args.models = ["quick"]
+        args.batch_size = args.batch_size or 4
+    args.steps = args.steps or (20 if args.quick else 40)
+    if args.steps < 20:
+        parser.error(f"Expected --steps >= 20, got {args.steps} instead.")
+    args.overhead_steps = args.overhead_steps or (10 if args.quick else 50)
+    args.overhead_rounds = args.overhead_rounds or (2 if args.quick else 4)
+    return args
+
+
+def measure(model_name: str, precision: str, args) -> dict:
+    """One row: see the module docstring."""
+    case = throughput.make_case(model_name, precision, args.batch_size)
+    data = throughput.synthetic_data(case)
+    batch = jax.device_put(data(0))
+    gpu = jax.default_backend() == "gpu"
+    builders = {"lowtrain": throughput.lowtrain_step}
+    if case.hand_loss is not None:
+        builders["hand"] = throughput.hand_step
+    fns, states, first, memory = {}, {}, {}, None
+    for name, build in builders.items():
+        fns[name], state = build(case)
+        t0 = time.perf_counter()  # the first call compiles
+        *state, _ = jax.block_until_ready(fns[name](*state, batch))
+        first[name], states[name] = time.perf_counter() - t0, tuple(state)
+        if gpu and name == "lowtrain":  # before the hand step allocates anything
+            memory = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+    # A separate compile for XLA's view of the step (its buffers are donated below).
+    hlo, analysis, lowered = throughput.compile_step(case, states["lowtrain"][0], batch)
+    times, losses = timing.interleaved(
+        fns, states, (batch,), steps=args.steps, round_len=5, warmup=2
+    )
+    step = {name: statistics.median(ts) for name, ts in times.items()}
+    if gpu:
+        fp8_gemms, dots = throughput.count_fp8_gemms(hlo, lowered)
+    else:
+        memory, fp8_gemms, dots = throughput.analysis_bytes(analysis), None, None
+    peak = throughput.peak_flops(precision)
+    flops = case.flops()
+    row = {
+        "model": model_name,
+        "precision": precision,
+        "parameters": case.parameters(),
+        "batch": case.batch_size,
+        "context": case.block_size,
+        "timed_steps": len(times["lowtrain"]),
+        "step_s": step["lowtrain"],
+        "step_iqr_s": timing.median_iqr(times["lowtrain"])[1],
+        "tokens_per_s": case.tokens / step["lowtrain"],
+        "flops_per_step": flops,
+        "mfu": None if peak is None else flops / step["lowtrain"] / peak,
+        "memory_bytes": memory,
+        "memory_source": "peak_bytes_in_use" if gpu else "XLA memory analysis",
+        "compile_s": first["lowtrain"] - step["lowtrain"],
+        "hand_step_s": step.get("hand"),
+        "vs_hand": step["lowtrain"] / step["hand"] if "hand" in step else None,
+        "loss": float(losses["lowtrain"]),
+        "fp8_gemms": fp8_gemms,
+        "dot_generals": dots,
+    }
+    if model_name in ("gpt", "quick"):
+        row["overhead"] = overhead.trainer_overhead(
+            case, data, chunk=args.overhead_steps, rounds=args.overhead_rounds
+        )
+    return row
+
+
+def measure_isolated(model_name: str, precision: str, args) -> dict:
+    """`measure` in a child process (a GPU's peak memory is per process)."""
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable,
+            __file__,
+            *(["--quick"] if args.quick else ["--models", model_name]),
+            *("--precisions", precision, "--out", out, "--isolate", "no"),
+            *("--steps", str(args.steps), "--overhead-steps", str(args.overhead_steps)),
+            *("--overhead-rounds", str(args.overhead_rounds)),
+            *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+        ]
+        subprocess.run(command, check=True, stdout=sys.stderr)
+        return json.loads((pathlib.Path(out) / "bench.json").read_text())["rows"][0]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    isolate = args.isolate == "yes" or (
+        args.isolate == "auto" and jax.default_backend() == "gpu"
+    )
+    start = time.perf_counter()
+    machine = report.machine()
+    device = (
+        f"{jax.devices()[0].device_kind} ({throughput.device_name() or 'peak unknown'})"
+    )
+    print(f"Machine: {machine}\nDevice: {device}", flush=True)
+    rows = []
+    for model_name in args.models:
+        for precision in args.precisions:
+            run = measure_isolated if isolate else measure
+            rows.append(run(model_name, precision, args))
+            print(benchtable.row_line(rows[-1]), flush=True)
+            # Written after every row: a long run interrupted keeps what it measured.
+            tables = benchtable.markdown(rows, machine, device, args)
+            (out / "bench.md").write_text(tables + "\n")
+            meta = {"machine": machine, "device": device, "argv": sys.argv[1:]}
+            rows_json = json.dumps({**meta, "rows": rows}, indent=2)
+            (out / "bench.json").write_text(rows_json)
+    print("\n" + tables)
+    benchtable.bar_chart(rows, out / "bench.png", device)
+    print(
+        f"\nWrote {out}/bench.md, bench.json, bench.png "
+        f"({time.perf_counter() - start:.0f} s)"
+    )
+
+
+if __name__ == "__main__":
+    main()

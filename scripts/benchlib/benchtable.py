@@ -1,0 +1,118 @@
+"""The markdown tables and the bar chart of `scripts/bench.py`."""
+
+from __future__ import annotations
+
+import pathlib
+
+MiB = 2**20
+
+
+def _ms(seconds) -> str:
+    return "–" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
+def _ratio(value) -> str:
+    return "–" if value is None else f"**{value:.3f}**"
+
+
+def row_line(row: dict) -> str:
+    """A progress line for one measured row."""
+    text = (
+        f"  {row['model']} / {row['precision']}: {_ms(row['step_s'])} ms/step, "
+        f"{row['tokens_per_s']:.0f} tokens/s, lowtrain/hand {_ratio(row['vs_hand'])}"
+    )
+    if "overhead" in row:
+        text += f", fit/plain loop {row['overhead']['ratio']:.3f}"
+    return text
+
+
+def _mfu(row: dict) -> str:
+    return "unknown" if row["mfu"] is None else f"{row['mfu']:.1%}"
+
+
+def _fp8(row: dict) -> str:
+    if row["fp8_gemms"] is None:
+        return "not applicable (CPU)"
+    return f"{row['fp8_gemms']} / {row['dot_generals']}"
+
+
+def markdown(rows: list[dict], machine: str, device: str, args) -> str:
+    """The step table, and the Trainer-overhead table when there are such rows."""
+    memory = rows[0]["memory_source"] if rows else ""
+    lines = [
+        f"Machine: {machine}",
+        f"Device: {device}",
+        "",
+        "| model | precision | params | batch x context | step (ms) | tokens/s "
+        f"| MFU | memory (MiB, {memory}) | compile (s) | hand step (ms) "
+        "| lowtrain / hand | FP8 GEMMs / matmuls |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        memory = "–" if r["memory_bytes"] is None else f"{r['memory_bytes'] / MiB:.1f}"
+        lines.append(
+            f"| {r['model']} | {r['precision']} | {r['parameters'] / 1e6:.2f}M "
+            f"| {r['batch']} x {r['context']} "
+            f"| {_ms(r['step_s'])} ± {_ms(r['step_iqr_s'] / 2)} "
+            f"| {r['tokens_per_s']:.0f} | {_mfu(r)} | {memory} "
+            f"| {r['compile_s']:.1f} | {_ms(r['hand_step_s'])} "
+            f"| {_ratio(r['vs_hand'])} | {_fp8(r)} |"
+        )
+    lines.append(
+        f"\nMedian of {rows[0]['timed_steps'] if rows else 0} timed steps (± half "
+        "the IQR), interleaved with the hand-cast twin in rounds of 5 after 2 warm-up "
+        "steps."
+    )
+    over = [r for r in rows if "overhead" in r]
+    if over:
+        lines += [
+            "",
+            "| model | precision | steps each | fit (ms/step) | plain loop (ms/step) "
+            "| fit / plain |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for r in over:
+            o = r["overhead"]
+            lines.append(
+                f"| {r['model']} | {r['precision']} | {o['steps']} "
+                f"| {_ms(o['fit_s'])} | {_ms(o['plain_s'])} | **{o['ratio']:.3f}** |"
+            )
+        lines.append(
+            f"\n`Trainer.fit` (log_every={over[0]['overhead']['log_every']}, no "
+            "progress bar, no eval, no checkpoints) against a plain Python loop over "
+            "the same `trainer.compiled_step`; chunks of "
+            f"{args.overhead_steps} steps alternating, median seconds per step."
+        )
+    return "\n".join(lines)
+
+
+def bar_chart(rows: list[dict], path: pathlib.Path, device: str) -> None:
+    """Tokens/s per model and precision, lowtrain and its hand-cast twin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(
+        1, len(models), figsize=(5 * len(models), 4), squeeze=False
+    )
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r["model"] == model]
+        xs = range(len(mine))
+        ax.bar(
+            [x - 0.2 for x in xs],
+            [r["tokens_per_s"] for r in mine],
+            0.4,
+            label="lowtrain",
+        )
+        hand = [r["tokens_per_s"] * r["vs_hand"] if r["vs_hand"] else 0 for r in mine]
+        ax.bar([x + 0.2 for x in xs], hand, 0.4, label="by hand (jmp style)")
+        ax.set_xticks(list(xs), [r["precision"] for r in mine], rotation=30)
+        ax.set_title(f"{model}")
+        ax.set_ylabel("tokens/s")
+        ax.legend()
+    fig.suptitle(device, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

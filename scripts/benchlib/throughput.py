@@ -1,0 +1,234 @@
+"""The steps `scripts/bench.py` times, built as `python -m lowtrain` builds them, and
+what it computes about them: FLOPs, the device's peak, memory, FP8 GEMMs.
+
+A `Case` is one model size in one precision: its config composed from the recipe
+(`recipe=gpt_<precision>`, `model=gpt_small` for the GPU-size GPT), its Trainer built
+by the recipe's own code (`recipes.gpt.build_model`, `recipes._common.optimizer` and
+`trainer_options`, so the `precision` configs' factories in `recipes/precisions.py`),
+and its hand-cast twin where `benchlib.models` has one (fp32: the plain float32 loss;
+bf16, fp16: `hand_gpt_loss`, mixed precision placed by hand, jmp/mpx style).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from hydra import compose, initialize_config_module
+
+from lowtrain.recipes import _common, _config, _run, gpt
+from lowtrain.recipes._layers import decay_mask
+
+from . import models, timing
+
+# Precision name -> the recipe that trains the char-GPT in it.
+RECIPES = {
+    "fp32": "gpt_fp32",
+    "bf16": "gpt_bf16",
+    "fp16": "gpt_fp16",
+    "fp8": "gpt_fp8",
+    "scalify_fp8": "gpt_scalify_fp8",
+    "unit_fp32": "gpt_unit_fp32",
+    "unit_fp8": "gpt_unit_fp8",
+}
+# The dtype whose peak bounds each precision's matmuls. fp32 runs at JAX's default
+# matmul precision, which on A100/H100/H200 is TF32 for float32 dots.
+PEAK_DTYPE = {
+    "fp32": "tf32",
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "fp8": "fp8",
+    "scalify_fp8": "fp8",
+    "unit_fp32": "tf32",
+    "unit_fp8": "fp8",
+}
+# Dense tensor-core peaks in TFLOP/s (no sparsity), from NVIDIA's data sheets.
+PEAKS = {
+    "H100 SXM": {"tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "H200": {"tf32": 494.7, "bf16": 989.4, "fp16": 989.4, "fp8": 1978.9},
+    "A100": {"tf32": 156.0, "bf16": 312.0, "fp16": 312.0},  # no FP8 units
+}
+# The model sizes: config overrides, and the vocabulary of the synthetic tokens.
+# `quick` is a tiny GPT for the test suite.
+SIZES = {
+    "gpt": ([], 65),  # the recipes' char-GPT; 65 characters in Shakespeare
+    "gpt_small": (["model=gpt_small"], 50304),
+    "quick": (
+        ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=16"],
+        65,
+    ),
+}
+UNIT_SMALL = [  # model=gpt_unit has no gpt_small: the same shape by overrides
+    "model.n_layer=12",
+    "model.n_head=12",
+    "model.n_embd=768",
+    "model.block_size=1024",
+]
+FP8_GEMM = "__cublas$lt$matmul$f8"
+
+_config.register()
+
+
+def device_name() -> str | None:
+    """The `PEAKS` key of the first device, or None (a CPU, another GPU)."""
+    kind = jax.devices()[0].device_kind
+    if "H200" in kind:
+        return "H200"
+    if "H100" in kind and ("SXM" in kind or "HBM3" in kind):
+        return "H100 SXM"
+    if "A100" in kind:
+        return "A100"
+    return None
+
+
+def peak_flops(precision: str) -> float | None:
+    """The device's dense peak in FLOP/s for `precision`'s matmuls, or None."""
+    name = device_name()
+    tflops = PEAKS.get(name or "", {}).get(PEAK_DTYPE[precision])
+    return None if tflops is None else tflops * 1e12
+
+
+@dataclass
+class Case:
+    """One model size in one precision, built as `python -m lowtrain` builds it."""
+
+    model_name: str  # "gpt", "gpt_small" or "quick"
+    precision: str
+    trainer: Any  # the recipe's Trainer subclass
+    config: Any  # recipes._config.Config
+    vocab: int
+    batch_size: int
+    block_size: int
+    optimizer: Any  # the recipe's optax optimizer (the Trainer wraps it)
+    hand_loss: Callable | None  # the same loss with casts by hand, or None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step."""
+        return self.batch_size * self.block_size
+
+    def parameters(self) -> int:
+        """Parameters in matmuls: all but the position embedding (a lookup)."""
+        params = eqx.filter(self.trainer.model, eqx.is_inexact_array)
+        n = sum(x.size for x in jax.tree.leaves(params))
+        return n - getattr(getattr(self.trainer.model, "wpe", None), "size", 0)
+
+    def flops(self) -> float:
+        """Model FLOPs per step, as nanoGPT counts them: 6 x parameters x tokens
+        (forward 2, backward 4 per parameter and token; the position embedding, a
+        lookup, not counted) plus attention's 12 x layers x width x context per
+        token (QK^T and AV, forward and backward, causal mask not discounted)."""
+        n, m = self.parameters(), self.config.model
+        attention = 12 * m.n_layer * m.n_embd * self.block_size
+        return float((6 * n + attention) * self.tokens)
+
+
+def compose_config(recipe: str, overrides: list[str]):
+    """The recipe's composed config (`DictConfig`) and its checked `Config`."""
+    with initialize_config_module("lowtrain.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[f"recipe={recipe}", *overrides])
+    return cfg, _run.to_config(cfg)
+
+
+def make_case(model_name: str, precision: str, batch_size: int | None) -> Case:
+    """The Trainer of `recipe=gpt_<precision>` at size `model_name`, on synthetic
+    tokens; `batch_size` None: the recipe's."""
+    overrides, vocab = SIZES[model_name]
+    if precision.startswith("unit") and model_name == "gpt_small":
+        overrides = UNIT_SMALL
+    if batch_size is not None:
+        overrides = [*overrides, f"trainer.batch_size={batch_size}"]
+    cfg, config = compose_config(RECIPES[precision], overrides)
+    model, trainer_class = gpt.build_model(config.model, vocab, key=jax.random.key(0))
+    steps = config.trainer.steps  # the schedule's length; the bench runs fewer
+    optimizer = _common.optimizer(cfg, steps, decay_mask, model)
+    trainer = trainer_class(model, optimizer, **_common.trainer_options(config))
+    hand = None
+    if precision == "fp32":
+        hand = models.loss
+    elif precision in models.HALF:
+        hand = models.hand_gpt_loss(models.HALF[precision])
+    return Case(
+        model_name,
+        precision,
+        trainer,
+        config,
+        vocab,
+        config.trainer.batch_size,
+        config.model.block_size,
+        optimizer,
+        hand,
+    )
+
+
+def synthetic_data(case: Case, n: int = 8) -> Callable[[int], dict]:
+    """`data(step)`: one of `n` fixed batches of uniform random tokens, as NumPy
+    arrays (the recipes' `Crops` returns NumPy too)."""
+    rng = np.random.default_rng(0)
+    shape = (n, case.batch_size, case.block_size + 1)
+    stream = rng.integers(0, case.vocab, shape, dtype=np.int32)
+    batches = [{"x": s[:, :-1], "y": s[:, 1:]} for s in stream]
+    return lambda step: batches[step % n]
+
+
+def lowtrain_step(case: Case) -> tuple[Callable, tuple]:
+    """`(fn, state)`: `fn(state, batch) -> (state, loss)`, the Trainer's compiled
+    step (`trainer.compiled_step`, what `fit` calls), and its initial state."""
+    trainer = case.trainer
+
+    def fn(state, batch):
+        state, metrics = trainer.compiled_step(batch, state)
+        return state, metrics["loss"]
+
+    return fn, (trainer.init(key=jax.random.key(1)),)
+
+
+def hand_step(case: Case) -> tuple[Callable, tuple]:
+    """`(fn, (model, opt_state))`: the same step written by hand (the hand-cast loss,
+    its gradient and the recipe's optimizer; no Trainer, no loss scale, no finite
+    check), jitted with the state donated as the Trainer donates it."""
+    step = timing.make_step(case.hand_loss, case.optimizer)
+    jitted = eqx.filter_jit(
+        lambda batch, model, opt: step(model, opt, batch["x"], batch["y"]),
+        donate="all-except-first",
+    )
+    model = case.trainer.model
+    opt_state = case.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+    # Copies: the model is the Trainer's too, and the step donates its buffers.
+    model = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
+    return (lambda model, opt, batch: jitted(batch, model, opt)), (model, opt_state)
+
+
+def compile_step(case: Case, state, batch) -> tuple[str, Any, str]:
+    """`(optimized HLO, XLA's memory analysis, lowered StableHLO)` of the Trainer's
+    step: a separate lower + compile of `trainer.compiled_step`."""
+    lowered = case.trainer.compiled_step.lower(batch, state)
+    compiled = lowered.compile()
+    inner = getattr(compiled, "compiled", compiled)  # equinox's wrapper, or jax's
+    return inner.as_text(), inner.memory_analysis(), lowered.as_text()
+
+
+def analysis_bytes(analysis) -> int | None:
+    """Arguments + outputs - donated (aliased) + temporaries of a compiled step:
+    what it holds at once, by XLA's own buffer assignment."""
+    if analysis is None:
+        return None
+    return (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+    )
+
+
+def count_fp8_gemms(optimized_hlo: str, lowered_text: str) -> tuple[int, int]:
+    """`(cuBLASLt FP8 GEMM custom calls in the optimized HLO, dot_generals in the
+    lowered step)`: the matmuls of forward and backward, a scan's body once in both."""
+    fp8 = optimized_hlo.count(f'custom_call_target="{FP8_GEMM}"')
+    dots = len(re.findall(r"\bstablehlo\.dot_general\b", lowered_text))
+    return fp8, dots

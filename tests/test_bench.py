@@ -1,0 +1,118 @@
+"""`scripts/bench.py`, the one benchmark command, end to end on a tiny GPT (a
+subprocess, as users run it)."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_bench(out, *args):
+    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick"]
+    subprocess.run(
+        [*command, "--out", str(out), *args], check=True, capture_output=True
+    )
+    return json.loads((out / "bench.json").read_text())
+
+
+def check_row(row, precision):
+    assert row["model"] == "quick" and row["precision"] == precision
+    assert (row["batch"], row["context"], row["timed_steps"]) == (4, 16, 20)
+    # 1 layer of width 32 (12 * 32**2 + 13 * 32) and the tied 65 x 32 embedding.
+    assert row["parameters"] == 12 * 32**2 + 13 * 32 + 65 * 32 + 2 * 32
+    attention = 12 * 1 * 32 * 16
+    assert row["flops_per_step"] == (6 * row["parameters"] + attention) * 4 * 16
+    assert row["tokens_per_s"] == pytest.approx(4 * 16 / row["step_s"])
+    assert row["step_s"] > 0 and row["compile_s"] > 0 and row["loss"] > 0
+    assert row["memory_bytes"] > 0
+    over = row["overhead"]
+    assert over["ratio"] == pytest.approx(over["fit_s"] / over["plain_s"])
+    assert over["log_every"] == 25 and over["steps"] == 20
+
+
+@pytest.mark.slow  # ~30 s on 2 free cores (three compiles, then 200 steps)
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU columns")
+def test_bench_quick_fp32_on_cpu(tmp_path):
+    result = run_bench(tmp_path, "--precisions", "fp32")
+    (row,) = result["rows"]
+    check_row(row, "fp32")
+    # The hand-written twin of fp32 is the plain float32 step.
+    assert row["vs_hand"] == pytest.approx(row["step_s"] / row["hand_step_s"])
+    # No peak for a CPU, XLA's analysis for memory, no cuBLASLt.
+    assert row["mfu"] is None and row["memory_source"] == "XLA memory analysis"
+    assert row["fp8_gemms"] is None and row["dot_generals"] is None
+    table = (tmp_path / "bench.md").read_text()
+    assert "| quick | fp32 | 0.01M | 4 x 16 |" in table
+    assert "| unknown |" in table and "not applicable (CPU)" in table
+    assert "fit / plain" in table
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_quick_every_precision(tmp_path):
+    result = run_bench(tmp_path, "--isolate", "yes")
+    rows = {row["precision"]: row for row in result["rows"]}
+    assert list(rows) == [
+        "fp32",
+        "bf16",
+        "fp16",
+        "fp8",
+        "scalify_fp8",
+        "unit_fp32",
+        "unit_fp8",
+    ]
+    for precision, row in rows.items():
+        if not precision.startswith("unit"):  # unit: another model, other params
+            check_row(row, precision)
+        # Hand-cast twins exist for fp32, bf16 and fp16 only.
+        assert (row["vs_hand"] is None) == (precision not in ("fp32", "bf16", "fp16"))
+
+
+@pytest.mark.gpu
+def test_bench_fp8_matmuls_are_cublaslt_fp8_gemms(tmp_path):
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus or not any(h in gpus[0].device_kind for h in ("H100", "H200")):
+        pytest.skip("needs a Hopper GPU (H100/H200) for FP8 GEMMs")
+    (row,) = run_bench(tmp_path, "--precisions", "fp8")["rows"]
+    # Every matmul of the step, forward and backward, is an FP8 GEMM.
+    assert row["dot_generals"] > 0
+    assert row["fp8_gemms"] == row["dot_generals"]
+    assert row["mfu"] is not None and row["memory_source"] == "peak_bytes_in_use"
+
+
+def test_bench_cases_are_the_recipes_trainers(monkeypatch):
+    # The pieces of bench.py without compiling anything: the cases are built from
+    # the recipes' configs, with their precisions, FLOPs and the device's peak.
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchlib import throughput
+
+    import lowtrain
+
+    for precision in throughput.RECIPES:
+        case = throughput.make_case("quick", precision, 4)
+        assert case.config.precision.name == precision
+        assert (case.batch_size, case.block_size, case.tokens) == (4, 16, 64)
+        assert (case.hand_loss is None) == (precision not in ("fp32", "bf16", "fp16"))
+        parts = getattr(case.trainer.precision, "parts", (case.trainer.precision,))
+        if precision in ("fp32", "bf16", "fp16", "fp8"):
+            assert parts[0].policy == lowtrain.get_policy(precision)
+    case = throughput.make_case("quick", "bf16", 4)
+    n = 12 * 32**2 + 13 * 32 + 65 * 32 + 2 * 32  # 1 block, tied embedding, ln_f
+    assert case.parameters() == n
+    assert case.flops() == (6 * n + 12 * 32 * 16) * 64
+    batch = throughput.synthetic_data(case)(3)
+    assert batch["x"].shape == (4, 16) and batch["x"].dtype == "int32"
+    assert (batch["x"][:, 1:] == batch["y"][:, :-1]).all()
+    if jax.default_backend() == "cpu":
+        assert throughput.device_name() is None
+        assert throughput.peak_flops("bf16") is None
+    h100 = throughput.PEAKS["H100 SXM"]
+    assert h100["fp8"] == pytest.approx(2 * h100["bf16"], rel=1e-3)
+    hlo = 'a = f8 custom-call(x, y), custom_call_target="__cublas$lt$matmul$f8"\n' * 3
+    lowered = "%1 = stablehlo.dot_general %a, %b\n" * 4
+    assert throughput.count_fp8_gemms(hlo, lowered) == (3, 4)
