@@ -24,7 +24,7 @@ import sys
 # Learning-rate grids, factor 2 apart, centred on each recipe's default.
 GRIDS = {
     "standard": ("gpt", [2e-3 * 2.0**k for k in range(-4, 3)]),
-    "u-μP": ("gpt_unit", [0.1 * 2.0**k for k in range(-4, 3)]),
+    "u-μP": ("gpt_unit", [2.0**k for k in range(-3, 4)]),
 }
 
 
@@ -113,6 +113,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--out", type=pathlib.Path, default="outputs/lr_transfer")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument(
+        "--only", choices=list(GRIDS), action="append", help="run only these"
+    )
+    parser.add_argument(
+        "--lrs", type=float, nargs="+", help="run only these grid points"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
@@ -121,7 +127,8 @@ def main() -> None:
         for w in args.widths:
             results[name][w] = {}
             for lr in lrs:
-                if not args.table_only:
+                chosen = name in (args.only or GRIDS) and lr in (args.lrs or lrs)
+                if not args.table_only and chosen:
                     run(args.out, name, recipe, w, lr, args.steps)
                 results[name][w][lr] = val_loss(args.out, name, w, lr)
     print(table(results, args.widths))
