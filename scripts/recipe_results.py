@@ -168,7 +168,12 @@ def unit_table(out: pathlib.Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=("mnist", "gpt"), action="append")
+    parser.add_argument(
+        "--task",
+        choices=("mnist", "gpt", "gpt_unit", "mnist_unit"),
+        action="append",
+        help="run only these (the last two with --unit)",
+    )
     parser.add_argument("--out", default="outputs/results", type=pathlib.Path)
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument(
@@ -181,10 +186,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     tasks = args.task or ["mnist", "gpt"]
+    if not args.unit and {"gpt_unit", "mnist_unit"} & set(tasks):
+        parser.error("--task gpt_unit and mnist_unit need --unit")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.unit:
         for task, precision in UNIT_RUNS:
-            chosen = args.precision is None or precision in args.precision
+            chosen = (args.precision is None or precision in args.precision) and (
+                args.task is None or task in args.task
+            )
             if not args.table_only and chosen:
                 run(task, precision, args.out)
         print(unit_table(args.out))
