@@ -10,6 +10,11 @@ parametrisation) and `lr_transfer.json` to `--out`.
     python scripts/lr_transfer.py                     # widths 64 128 256, 500 steps
     python scripts/lr_transfer.py --steps 100 --widths 32 64   # a quick look
     python scripts/lr_transfer.py --table-only        # re-read the summaries
+    python scripts/lr_transfer.py --only u-μP --widths 128 --lrs 1 2   # some cells
+
+Finished runs (a `summary.json`) are skipped, so an interrupted sweep resumes; a
+cell with a log but no summary failed (shown "diverged"), one with neither is
+"not run".
 """
 
 from __future__ import annotations
