@@ -10,6 +10,11 @@ parametrisation) and `lr_transfer.json` to `--out`.
     python scripts/lr_transfer.py                     # widths 64 128 256, 500 steps
     python scripts/lr_transfer.py --steps 100 --widths 32 64   # a quick look
     python scripts/lr_transfer.py --table-only        # re-read the summaries
+    python scripts/lr_transfer.py --only u-μP --widths 128 --lrs 1 2   # some cells
+
+Finished runs (a `summary.json`) are skipped, so an interrupted sweep resumes; a
+cell with a log but no summary failed (shown "diverged"), one with neither is
+"not run".
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ import pathlib
 import subprocess
 import sys
 
-# Learning-rate grids, factor 2 apart, centred on each recipe's default.
+# Learning-rate grids, factor 2 apart, around each recipe's default (gpt: 2e-3,
+# gpt_unit: 2).
 GRIDS = {
     "standard": ("gpt", [2e-3 * 2.0**k for k in range(-4, 3)]),
-    "u-μP": ("gpt_unit", [0.1 * 2.0**k for k in range(-4, 3)]),
+    "u-μP": ("gpt_unit", [2.0**k for k in range(-3, 4)]),
 }
 
 
@@ -57,10 +63,12 @@ def run(out, name, recipe, width, lr, steps) -> None:
         print(f"  failed (see {log})", flush=True)
 
 
-def val_loss(out, name, width, lr) -> float:
+def val_loss(out, name, width, lr) -> float | None:
+    """The run's final validation loss; inf if it failed or diverged (a log but
+    no summary), None if it was not run."""
     summary = run_dir(out, name, width, lr) / "summary.json"
     if not summary.exists():
-        return math.inf
+        return math.inf if (out / f"{summary.parent.name}.log").exists() else None
     value = json.loads(summary.read_text())["final"]["val_loss"]
     return value if math.isfinite(value) else math.inf
 
@@ -76,14 +84,18 @@ def table(results: dict, widths: list[int]) -> str:
         ]
         for w in widths:
             row = [results[name][w][lr] for lr in lrs]
-            best = min(range(len(lrs)), key=row.__getitem__)
+            ran = [i for i, v in enumerate(row) if v is not None]
+            best = min(ran, key=row.__getitem__) if ran else None
             cells = [
-                ("**{:.4f}**" if i == best else "{:.4f}").format(v)
+                "not run"
+                if v is None
+                else ("**{:.4f}**" if i == best else "{:.4f}").format(v)
                 if math.isfinite(v)
                 else "diverged"
                 for i, v in enumerate(row)
             ]
-            lines.append(f"| {w} | " + " | ".join(cells) + f" | {lrs[best]:.3g} |")
+            shown = "–" if best is None else f"{lrs[best]:.3g}"
+            lines.append(f"| {w} | " + " | ".join(cells) + f" | {shown} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -97,12 +109,16 @@ def plot(results: dict, widths: list[int], path: pathlib.Path) -> None:
     for i, (name, (_, lrs)) in enumerate(GRIDS.items()):
         ax = fig.add_subplot(1, len(GRIDS), i + 1)
         for w in widths:
-            ax.plot(lrs, [results[name][w][lr] for lr in lrs], marker="o", label=f"{w}")
+            done = [lr for lr in lrs if results[name][w][lr] is not None]
+            if done:  # a diverged run is drawn as a gap (inf)
+                ys = [results[name][w][lr] for lr in done]
+                ax.plot(done, ys, marker="o", label=f"{w}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("learning rate")
         ax.set_ylabel("validation loss")
         ax.set_title(name)
-        ax.legend(title="width")
+        if ax.get_lines():
+            ax.legend(title="width")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -113,6 +129,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--out", type=pathlib.Path, default="outputs/lr_transfer")
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument(
+        "--only", choices=list(GRIDS), action="append", help="run only these"
+    )
+    parser.add_argument(
+        "--lrs", type=float, nargs="+", help="run only these grid points"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict = {}
@@ -121,7 +143,8 @@ def main() -> None:
         for w in args.widths:
             results[name][w] = {}
             for lr in lrs:
-                if not args.table_only:
+                chosen = name in (args.only or GRIDS) and lr in (args.lrs or lrs)
+                if not args.table_only and chosen:
                     run(args.out, name, recipe, w, lr, args.steps)
                 results[name][w][lr] = val_loss(args.out, name, w, lr)
     print(table(results, args.widths))

@@ -3,6 +3,7 @@
     python scripts/recipe_results.py                 # all: MNIST, then the GPT
     python scripts/recipe_results.py --task gpt      # one task
     python scripts/recipe_results.py --table-only    # re-read the summaries in --out
+    python scripts/recipe_results.py --unit          # issue 10's unit-scaling lines
 
 Each run is `python -m lowtrain <overrides> hydra.run.dir=<out>/<task>_<precision>`,
 one after the other (they share the CPU otherwise); its log is `<out>/<name>.log`.
@@ -37,10 +38,30 @@ GPT_GAP = {
 }  # nats/char; bf16: no target, reported
 
 
+# Issue 10: the unit-scaled models (u-μP's AdamW), each precision a plain cast: no
+# loss scale, no per-tensor scales. (task, precision) -> overrides, as RUNS.
+UNIT_RUNS = {
+    ("gpt_unit", "fp32"): ["recipe=gpt_unit_fp32"],
+    ("gpt_unit", "bf16"): ["recipe=gpt_unit_bf16"],
+    ("gpt_unit", "fp16"): ["recipe=gpt_unit_fp16"],
+    ("gpt_unit", "fp8"): ["recipe=gpt_unit_fp8"],
+    ("mnist_unit", "fp8"): ["recipe=mnist_unit_fp8"],
+}
+# The line each unit-scaled run is held against: (task, precision, largest gap).
+UNIT_TARGETS = {
+    ("gpt_unit", "fp32"): ("gpt", "fp32", 0.05),  # the standard GPT, same steps
+    ("gpt_unit", "fp8"): ("gpt_unit", "fp32", 0.03),
+}
+# The standard GPT's lines of docs/results.md (this script, seed 0), used when --out
+# does not hold those runs: the unit-scaled lines need not rerun them.
+DOCUMENTED_GPT = {"fp32": 1.6645, "fp8_naive": 3.5440}
+
+
 def run(task: str, precision: str, out: pathlib.Path) -> None:
     name = f"{task}_{precision}"
+    overrides = {**RUNS, **UNIT_RUNS}[task, precision]
     command = [
-        *(sys.executable, "-m", "lowtrain", *RUNS[task, precision]),
+        *(sys.executable, "-m", "lowtrain", *overrides),
         f"hydra.run.dir={out / name}",
         "trainer.progress=false",
     ]
@@ -95,17 +116,88 @@ def table(out: pathlib.Path, tasks) -> str:
     return "\n".join(rows)
 
 
+def _summary(out: pathlib.Path, task: str, precision: str) -> dict | None:
+    path = out / f"{task}_{precision}" / "summary.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    if task == "gpt" and precision in DOCUMENTED_GPT:
+        value = DOCUMENTED_GPT[precision]
+        return {"final": {"val_loss": value}, "seconds": None, "documented": True}
+    return None
+
+
+def unit_table(out: pathlib.Path) -> str:
+    """Issue 10's table: the standard GPT in fp32 and naive FP8 (from `--out`'s
+    `gpt_fp32` and `gpt_fp8_naive` runs), then the unit-scaled lines."""
+    rows = [
+        "| model | precision | result | target | time (s) | overrides |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines = [("gpt", "fp32"), ("gpt", "fp8_naive"), *UNIT_RUNS]
+    for task, precision in lines:
+        summary = _summary(out, task, precision)
+        overrides = " ".join({**RUNS, **UNIT_RUNS}[task, precision])
+        if summary is None:
+            rows.append(f"| {task} | {precision} | not run | | | `{overrides}` |")
+            continue
+        if task.startswith("mnist"):
+            value = 100 * summary["final"]["test_accuracy"]
+            shown, ok = f"{value:.2f}%", value >= 98.0
+            target = ">= 98.0%: " + ("met" if ok else "MISSED")
+        else:
+            value = summary["final"]["val_loss"]
+            shown, target = f"{value:.4f}", "reported"
+            if (task, precision) in UNIT_TARGETS:
+                *ref, limit = UNIT_TARGETS[task, precision]
+                base = _summary(out, *ref)
+                if base is None:
+                    target = f"vs {'_'.join(ref)}: not run"
+                else:
+                    gap = value - base["final"]["val_loss"]
+                    met = "met" if abs(gap) <= limit else "MISSED"
+                    target = f"{gap:+.4f} vs {'_'.join(ref)}, within {limit}: {met}"
+        if summary.get("documented"):
+            shown, seconds = f"{shown} (docs/results.md)", ""
+        else:
+            seconds = f"{summary['seconds']:.0f}"
+        rows.append(
+            f"| {task} | {precision} | {shown} | {target} | {seconds} | `{overrides}` |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=("mnist", "gpt"), action="append")
+    parser.add_argument(
+        "--task",
+        choices=("mnist", "gpt", "gpt_unit", "mnist_unit"),
+        action="append",
+        help="run only these (the last two with --unit)",
+    )
     parser.add_argument("--out", default="outputs/results", type=pathlib.Path)
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument(
         "--precision", choices=PRECISIONS, action="append", help="run only these"
     )
+    parser.add_argument(
+        "--unit",
+        action="store_true",
+        help="the unit-scaled runs of issue 10 (UNIT_RUNS) and their table instead",
+    )
     args = parser.parse_args()
     tasks = args.task or ["mnist", "gpt"]
+    if not args.unit and {"gpt_unit", "mnist_unit"} & set(tasks):
+        parser.error("--task gpt_unit and mnist_unit need --unit")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.unit:
+        for task, precision in UNIT_RUNS:
+            chosen = (args.precision is None or precision in args.precision) and (
+                args.task is None or task in args.task
+            )
+            if not args.table_only and chosen:
+                run(task, precision, args.out)
+        print(unit_table(args.out))
+        return
     if not args.table_only:
         for task in tasks:
             for precision in args.precision or PRECISIONS:

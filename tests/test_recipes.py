@@ -573,6 +573,19 @@ def test_gpt_dropout(getkey):
     assert abs(float(jnp.mean(y == 0)) - 0.2) < 0.02
 
 
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_gpt_unit_plain_casts_compose(half):
+    # "Plain cast": AMP's half policy on the unit-scaled GPT, with no loss scale.
+    config = _run.to_config(make_config(f"recipe=gpt_unit_{half}"))
+    assert isinstance(config.model, _config.GPTUnitConfig)
+    assert isinstance(config.optimizer, _config.UmupAdamWConfig)
+    amp = _common.trainer_options(config)["precision"]
+    assert type(amp).__name__ == "Amp"  # alone: no Rewrite, no per-tensor scales
+    assert amp.policy == lowtrain.get_policy(half)
+    assert isinstance(amp.default_loss_scale(), lowtrain.NoOpLossScale)
+    assert config.precision.name == f"unit_{half}"
+
+
 def test_mnist_unit_fp8_composes():
     config = _run.to_config(make_config("recipe=mnist_unit_fp8"))
     assert isinstance(config.model, _config.MLPUnitConfig)

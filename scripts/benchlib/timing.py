@@ -30,7 +30,9 @@ def make_step(loss_fn: Callable, optimizer: optax.GradientTransformation):
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         params = eqx.filter(model, eqx.is_inexact_array)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(model, updates), opt_state, loss
+        # Only the float arrays: a model may hold other leaves (a bool flag).
+        params = optax.apply_updates(params, updates)
+        return eqx.combine(params, model), opt_state, loss
 
     return step
 
