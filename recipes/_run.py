@@ -14,6 +14,7 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 from . import gpt, mnist
+from ._common import numerics_summary
 from ._config import TASKS, Config
 from ._plots import plot_metrics
 
@@ -71,6 +72,7 @@ def run(cfg: DictConfig, output_dir) -> dict:
         "seconds": round(seconds, 1),
         "output_dir": str(out),
         "plots": [p.name for p in plots],
+        "numerics": numerics_summary(out, config.trainer.numerics_format),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_json))

@@ -23,11 +23,12 @@ def _check_format(fmt: str) -> str:
 class Report:
     """The statistics of every float tensor of one run of a tracked function.
 
-    `rows` is a list of dicts in program order, one per float output of each
-    equation: `name` (the `jax.named_scope`/Equinox scope path and the primitive,
+    `rows` is a list of dicts in program order, one per float input of the tracked
+    function (`primitive` "input") and one per float output of each equation: `name` (the `jax.named_scope`/Equinox scope path and the primitive,
     joined by "/"), `primitive`, `pass` (`"fwd"`, or `"bwd"` for the transposed
     program), `dtype`, `shape`, `size` (values seen: inside a loop, over all
-    iterations), `rms`, `absmax`, and `underflow`/`overflow`: dicts from each of
+    iterations), `rms`, `absmax`, `zero` (the fraction of values that are zero, or
+    NaN: what a cast already flushed), and `underflow`/`overflow`: dicts from each of
     `FORMATS` (`"float16"`, `"bfloat16"`, `"float8_e4m3fn"`, `"float8_e5m2"`) to the
     fraction of the nonzero values that would round to zero / past the format's
     largest finite value if cast as they are (round to nearest even; 0.0 when all
@@ -38,7 +39,8 @@ class Report:
     import lowtrain.numerics
 
     _, report = lowtrain.numerics.track(lambda x: x * 1e3)(jnp.ones(4))
-    (row,) = report.rows
+    x_row, row = report.rows  # the input, then the product
+    assert x_row["name"] == "input[1][0]" and row["name"] == "mul"
     assert row["rms"] == 1e3 and row["overflow"]["float8_e4m3fn"] == 1.0
     assert "mul" in report.table()
     ```

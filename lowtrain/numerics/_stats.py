@@ -107,8 +107,9 @@ def merge_stacked(moments, counts):
 
 
 def finish(moments: np.ndarray, counts: np.ndarray) -> dict:
-    """A record's numbers, on the host: `size`, `rms`, `absmax`, and `underflow`/
-    `overflow` as fractions of the nonzero values per format (0 if none)."""
+    """A record's numbers, on the host: `size`, `rms`, `absmax`, `zero` (the
+    fraction of values that are zero, or NaN), and `underflow`/`overflow` as
+    fractions of the nonzero values per format (0 if none)."""
     absmax, sumsq = (float(v) for v in moments)
     size, nonzero = int(counts[0]), int(counts[1])
     rms = absmax * math.sqrt(sumsq / size) if size else 0.0
@@ -118,6 +119,7 @@ def finish(moments: np.ndarray, counts: np.ndarray) -> dict:
         "size": size,
         "rms": rms,
         "absmax": absmax,
+        "zero": 1.0 - nonzero / size if size else 0.0,
         "underflow": {f: frac(c) for f, c in zip(FORMATS, counts[2 : 2 + n])},
         "overflow": {f: frac(c) for f, c in zip(FORMATS, counts[2 + n :])},
     }

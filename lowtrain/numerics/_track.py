@@ -208,6 +208,16 @@ def _tracked_call(fn, args, kwargs):
     call = FlatCall(fn, args, kwargs)
     closed = jax.make_jaxpr(call)(*call.inputs)
     interp = _TrackInterpreter(_name_stacks(closed, {}))
+    # The float inputs first (the weights, say): rows named by their path.
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path((fn, args, kwargs))[0]
+        if eqx.is_array(leaf)
+    ]
+    for path, x in zip(paths, call.inputs):
+        if is_float(x):
+            meta = (f"input{path}", "input", "fwd", str(x.dtype), tuple(x.shape))
+            interp.records.append((meta, x))
     outs = interp.eval_jaxpr(closed, call.inputs)
     records = _finish(interp.records)
     metas = tuple(m for m, _ in records)
@@ -247,8 +257,10 @@ def track(fn: Callable) -> Callable[..., tuple[Any, Report]]:
     keep those in float32 inside a fusion, `xla_allow_excess_precision`, and reading
     them for statistics changes the fusions; bitwise again with
     `XLA_FLAGS=--xla_allow_excess_precision=false`).
-    Each float output of each equation (but those that only move values: reshape,
-    transpose, broadcast, ...) gets a row of the report: its scope path,
+    Each float input (`primitive` "input", `name` "input" and its path in `(fn,
+    args, kwargs)`, e.g. `"input[1][0].weight"`), and each float output of each
+    equation (but those that only move values: reshape, transpose, broadcast, ...)
+    gets a row of the report: its scope path,
     pass (`"bwd"` for the equations of a transposed program: track
     `jax.value_and_grad(loss)` to see the backward pass), dtype, shape, RMS, absmax,
     and which fraction of its nonzero values would underflow to zero / overflow if
