@@ -9,8 +9,9 @@ formats FP8 training casts them to), and how many values the FP8 tensors of the
 program hold as zeros. `--no-run` reads existing runs. Scale plots of the last
 reports go to `--plots` (E4M3 range shaded).
 
-    nice -n 5 python scripts/numerics_fp8.py --steps 101 --every 100 \\
-        --out outputs/numerics --plots docs/numerics
+    nice -n 5 python scripts/numerics_fp8.py --steps 1 --every 1 \\
+        --out outputs/numerics --plots docs/numerics   # at initialisation
+    nice -n 5 python scripts/numerics_fp8.py --steps 201 --every 200 ...  # and later
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ JUDGE = {"fwd": "float8_e4m3fn", "bwd": "float8_e5m2"}
 
 
 def run(name: str, steps: int, every: int, out: pathlib.Path) -> None:
+    # Fewer steps than the schedule's 100 warmup steps: no warmup (the report before
+    # the first step does not depend on it).
+    warmup = [] if steps > 100 else ["optimizer.warmup_steps=0"]
     args = [
         *RUNS[name],
+        *warmup,
         f"trainer.steps={steps}",
         f"trainer.numerics_every={every}",
         f"trainer.eval_every={steps}",
@@ -90,9 +95,10 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, default="outputs/numerics")
     parser.add_argument("--plots", type=pathlib.Path, default=None)
     parser.add_argument("--no-run", action="store_true", help="read existing runs")
+    parser.add_argument("--only", nargs="*", default=list(RUNS), help="runs to make")
     args = parser.parse_args()
     for name in RUNS:
-        if not args.no_run:
+        if not args.no_run and name in args.only:
             run(name, args.steps, args.every, args.out)
         path = args.out / name / "numerics.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines()]

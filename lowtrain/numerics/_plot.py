@@ -24,7 +24,10 @@ def plot_report(report, path, fmt: str) -> None:
     info = jnp.finfo(jnp.dtype(fmt))
     low, high = math.log2(float(info.smallest_subnormal)), math.log2(float(info.max))
     normal = math.log2(float(info.smallest_normal))
-    logs = [math.log2(r["rms"]) if r["rms"] > 0 else None for r in rows]
+    logs = [
+        math.log2(r["rms"]) if math.isfinite(r["rms"]) and r["rms"] > 0 else None
+        for r in rows
+    ]
     finite = [v for v in logs if v is not None and math.isfinite(v)]
     left = min([low - 4, *finite]) - 1
     right = max([high + 4, *finite]) + 1

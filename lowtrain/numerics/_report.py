@@ -24,8 +24,9 @@ class Report:
     """The statistics of every float tensor of one run of a tracked function.
 
     `rows` is a list of dicts in program order, one per float input of the tracked
-    function (`primitive` "input") and one per float output of each equation: `name` (the `jax.named_scope`/Equinox scope path and the primitive,
-    joined by "/"), `primitive`, `pass` (`"fwd"`, or `"bwd"` for the transposed
+    function (`primitive` "input") and one per float output of each equation:
+    `name` (the `jax.named_scope`/Equinox scope path and the primitive, joined by
+    "/"), `primitive`, `pass` (`"fwd"`, or `"bwd"` for the transposed
     program), `dtype`, `shape`, `size` (values seen: inside a loop, over all
     iterations), `rms`, `absmax`, `zero` (the fraction of values that are zero, or
     NaN: what a cast already flushed), and `underflow`/`overflow`: dicts from each of
@@ -47,7 +48,11 @@ class Report:
     """
 
     def __init__(self, rows: Sequence[dict]):
-        self.rows = list(rows)
+        # Rows read back from `to_json` hold non-finite numbers as strings.
+        num = lambda v: float(v) if isinstance(v, str) else v  # noqa: E731
+        self.rows = [
+            r | {"rms": num(r["rms"]), "absmax": num(r["absmax"])} for r in rows
+        ]
 
     @classmethod
     def from_stats(cls, metas, moments: np.ndarray, counts: np.ndarray) -> Report:

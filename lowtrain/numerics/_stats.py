@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax import lax
 from jaxtyping import Array, Float, Int
 
 # The formats a report checks, by the names `ml_dtypes` and `jnp.dtype` give them.
@@ -48,6 +47,7 @@ def _thresholds(fmt: str) -> tuple[float, bool, float, bool]:
 
 THRESHOLDS = {fmt: _thresholds(fmt) for fmt in FORMATS}
 N_COUNTS = 2 + 2 * len(FORMATS)
+CHUNK = 1024  # values per chunk of `batch_stats`
 
 
 def _lowest_kept() -> np.ndarray:
@@ -59,7 +59,10 @@ def _lowest_kept() -> np.ndarray:
     bounds = []
     for fmt in FORMATS:
         under, inclusive, _, _ = THRESHOLDS[fmt]
-        bounds.append(up(under) if inclusive else np.float32(under))
+        # Not below float32's smallest normal: XLA's CPU backend flushes float32
+        # subnormals to zero, so those (bfloat16's smallest values) count as lost.
+        bound = up(under) if inclusive else np.float32(under)
+        bounds.append(max(bound, np.finfo(np.float32).tiny))
     for fmt in FORMATS:
         _, _, over, inclusive = THRESHOLDS[fmt]
         bounds.append(np.float32(over) if inclusive else up(over))
@@ -113,6 +116,8 @@ def finish(moments: np.ndarray, counts: np.ndarray) -> dict:
     absmax, sumsq = (float(v) for v in moments)
     size, nonzero = int(counts[0]), int(counts[1])
     rms = absmax * math.sqrt(sumsq / size) if size else 0.0
+    if math.isinf(absmax) and not math.isnan(sumsq):  # e.g. a -inf attention mask
+        rms = math.inf
     n = len(FORMATS)
     frac = lambda c: int(c) / nonzero if nonzero else 0.0  # noqa: E731
     return {
@@ -132,27 +137,36 @@ def lost(row: dict, fmt: str) -> float:
 
 
 def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
-    """`tensor_stats` of each of `xs`, stacked, in a few ops over all of them at once
-    (their absolute values concatenated, reduced by segment): XLA compiles a handful
-    of large ops instead of a few per tensor."""
-    sizes = np.array([x.size for x in xs], np.int64)
-    a = jnp.concatenate([jnp.abs(x.astype(jnp.float32)).reshape(-1) for x in xs])
+    """`tensor_stats` of each of `xs`, stacked, in a few ops over all of them at once:
+    XLA compiles a handful of large ops instead of a few per tensor.
+
+    The absolute values of all tensors are concatenated, each zero-padded to whole
+    chunks of `CHUNK`, and reduced per chunk (dense, fast reductions); the chunks'
+    results are then combined per tensor (segment ops over the few chunks).
+    """
     n = len(xs)
-    # Each value's tensor, computed at run time: from constants, XLA would fold it
-    # into a constant as large as all the tensors together (slowly).
-    reps = lax.optimization_barrier(jnp.asarray(sizes.astype(np.int32)))
-    ids = jnp.repeat(jnp.arange(n), reps, total_repeat_length=int(sizes.sum()))
-    absmax = jax.ops.segment_max(a, ids, n, indices_are_sorted=True)
-    absmax = jnp.maximum(absmax, 0.0)  # empty segments give -inf
+    sizes = [x.size for x in xs]
+    chunks = [max(1, -(-s // CHUNK)) for s in sizes]
+    pieces = [
+        jnp.pad(jnp.abs(x.astype(jnp.float32)).reshape(-1), (0, c * CHUNK - s))
+        for x, s, c in zip(xs, sizes, chunks)
+    ]
+    a = jnp.concatenate(pieces).reshape(-1, CHUNK)  # (all chunks, CHUNK)
+    owner = np.repeat(np.arange(n, dtype=np.int32), chunks)  # each chunk's tensor
+    seg = dict(segment_ids=owner, num_segments=n, indices_are_sorted=True)
+    absmax = jnp.maximum(jax.ops.segment_max(jnp.max(a, 1), **seg), 0.0)
     safe = jnp.where(absmax > 0, absmax, 1.0)
-    flags = jnp.concatenate(
-        [(a > 0)[:, None], a[:, None] >= jnp.asarray(_BOUNDS)[None, :]], axis=1
-    ).astype(jnp.int32)  # (total, 1 + 2 * formats)
-    sq = jnp.square(a / safe[ids])
-    counts = jax.ops.segment_sum(flags, ids, n, indices_are_sorted=True)
-    sumsq = jax.ops.segment_sum(sq, ids, n, indices_are_sorted=True)
+    sumsq = jax.ops.segment_sum(jnp.sum(jnp.square(a / safe[owner][:, None]), 1), **seg)
+    # Counts per chunk as float32 sums (exact below 2^24; XLA's CPU backend reduces
+    # float32 several times faster than int32), one reduction per threshold.
+    positive = a > 0  # NaN: not counted (and zero padding neither)
+    flags = [positive] + [positive & (a >= b) for b in _BOUNDS]
+    per_chunk = jnp.stack([jnp.sum(f.astype(jnp.float32), 1) for f in flags], 1).astype(
+        jnp.int32
+    )  # (all chunks, 1 + 2 * formats)
+    counts = jax.ops.segment_sum(per_chunk, **seg)
     k = len(FORMATS)
     nonzero, kept = counts[:, :1], counts[:, 1:]
-    size = jnp.asarray(sizes.astype(np.int32))[:, None]
+    size = jnp.asarray(np.array(sizes, np.int32))[:, None]
     counts = jnp.concatenate([size, nonzero, nonzero - kept[:, :k], kept[:, k:]], 1)
     return jnp.stack([absmax, sumsq], 1), counts
