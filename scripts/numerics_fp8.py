@@ -71,6 +71,23 @@ def table(report: Report, limit: int) -> list[str]:
     return out
 
 
+def casts(report: Report) -> list[str]:
+    """Every FP8 tensor of the program: the fraction of its values that are zero
+    (a causal mask's zeros are real; the rest were flushed by the cast)."""
+    out = [
+        "| pass | FP8 tensor | dtype[shape] | rms | zero |",
+        "|---|---|---|---:|---:|",
+    ]
+    for r in report.rows:
+        if r["dtype"].startswith("float8"):
+            shape = ",".join(map(str, r["shape"]))
+            out.append(
+                f"| {r['pass']} | `{r['name']}` | {r['dtype']}[{shape}] "
+                f"| {r['rms']:.3g} | {r['zero']:.1%} |"
+            )
+    return out
+
+
 def summary(report: Report) -> str:
     parts = []
     for pass_, fmt in JUDGE.items():
@@ -106,7 +123,8 @@ def main():
             report = Report(record["rows"])
             print(f"\n### {name}, before step {record['step'] + 1}\n")
             print(summary(report) + ".\n")
-            print("\n".join(table(report, args.limit)))
+            print("\n".join(table(report, args.limit)) + "\n")
+            print("\n".join(casts(report)))
         if args.plots is not None:
             args.plots.mkdir(parents=True, exist_ok=True)
             Report(records[-1]["rows"]).plot(args.plots / f"{name}.png")
