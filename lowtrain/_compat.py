@@ -8,6 +8,7 @@ mis-transform a program.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -20,10 +21,14 @@ from jax._src.ad_util import Zero as _Zero
 # `Transform` (jvp, transpose, ...) entries; the name stack of an equation inside a
 # sub-jaxpr is relative to the equation that holds it.
 from jax._src.source_info_util import Scope as _Scope
+from jax._src.source_info_util import Transform as _Transform
 
 # JAX 0.10.2 (0.11 not checked: it needs Python >= 3.12): `summarize(source_info)`
 # formats the innermost frame outside JAX as "file:line:column (function)".
 from jax._src.source_info_util import summarize as _summarize_source
+from jax._src.source_info_util import (
+    transform_name_stack as _transform_name_stack,
+)
 
 # JAX 0.10 and 0.11: `jax.extend.core` exposes the primitives of every higher-order op.
 # The jit primitive was called `pjit` before JAX 0.7 and `jit` since; the remat
@@ -127,6 +132,23 @@ def eqn_scopes(eqn: JaxprEqn) -> tuple[str, ...]:
     return tuple(
         s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _Scope)
     )
+
+
+@contextlib.contextmanager
+def enter_name_stack(eqn: JaxprEqn):
+    """Re-enter `eqn`'s name stack on top of the current one: its `jax.named_scope`s
+    and JAX's transform names (`transpose(...)` marks a backward pass), so a program
+    an interpreter re-emits keeps both (`lowtrain.numerics` reads the pass from it)."""
+    # JAX 0.10.2 (0.11 not checked): `name_stack.stack` holds `Scope`s and
+    # `Transform`s in order; `transform_name_stack` pushes a `Transform` as JAX's
+    # `jvp`/`transpose` do.
+    with contextlib.ExitStack() as stack:
+        for item in eqn.source_info.name_stack.stack:
+            if isinstance(item, _Scope):
+                stack.enter_context(jax.named_scope(item.name))
+            elif isinstance(item, _Transform):
+                stack.enter_context(_transform_name_stack(item.name))
+        yield
 
 
 def eqn_name_stack(eqn: JaxprEqn) -> str:

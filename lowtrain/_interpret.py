@@ -26,7 +26,6 @@ this sits among lowtrain's layers.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,7 +131,10 @@ class Interpreter:
             if float_weak and all(float_weak) and higher is None:
                 weak_vars.update(jeqn.outvars)
             invals = [read(v) for v in jeqn.invars]
-            with _named_scopes(_compat.eqn_scopes(jeqn)):
+            # Re-enter the equation's name stack (scopes and transforms), so the
+            # transformed program keeps it: a second transform, a profiler, or
+            # `lowtrain.numerics` still sees "eqx.nn.Linear" and `transpose(...)`.
+            with _compat.enter_name_stack(jeqn):
                 if higher is not None:
                     outvals = self.higher_order(eqn, *invals)
                 elif jeqn.primitive.name not in _compat.COMBINER_PRIMITIVES and any(
@@ -166,16 +168,6 @@ class Interpreter:
         raise RuntimeError(
             f"The loop carry types did not settle: {types}. Please report this."
         )
-
-
-@contextlib.contextmanager
-def _named_scopes(names: tuple[str, ...]):
-    # Re-enter the equation's scopes so the transformed program keeps its name stack
-    # (and a second transform, or a profiler, still sees "eqx.nn.Linear" and friends).
-    with contextlib.ExitStack() as stack:
-        for name in names:
-            stack.enter_context(jax.named_scope(name))
-        yield
 
 
 def call_transformed(

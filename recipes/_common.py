@@ -4,6 +4,7 @@ config, the step count, the optimizer, and `fit` with the run's outputs."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
 from collections.abc import Callable, Iterable
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import lowtrain
+import lowtrain.numerics
 
 from ._config import Config
 from ._prefetch import Prefetch
@@ -26,8 +28,8 @@ log = logging.getLogger("lowtrain")
 def trainer_options(config: Config) -> dict[str, Any]:
     """`lowtrain.Trainer` keyword arguments from the config: the precision (built
     by the factory `precision._target_` names, from the other `precision` fields;
-    `precision.name` only names the run), `trainer.redo_on_nan`, `trainer.sharding`
-    and `trainer.grad_accum`."""
+    `precision.name` only names the run), `trainer.redo_on_nan`, `trainer.sharding`,
+    `trainer.grad_accum` and `trainer.numerics_every`."""
     fields = dataclasses.asdict(config.precision)
     fields.pop("name")
     t = config.trainer
@@ -36,6 +38,7 @@ def trainer_options(config: Config) -> dict[str, Any]:
         "redo_on_nan": t.redo_on_nan,
         "sharding": t.sharding,
         "grad_accum": t.grad_accum,
+        "numerics_every": t.numerics_every,
     }
 
 
@@ -100,6 +103,7 @@ def fit(
             )
 
     trainer.add_hook(report, every=t.eval_every or steps)
+    trainer.numerics.fmt = t.numerics_format
     state = trainer.init(key=key)
     source = Prefetch(data, t.prefetch) if t.prefetch else data
     try:
@@ -123,3 +127,25 @@ def fit(
         if isinstance(source, Prefetch):
             source.close()
     return state
+
+
+def numerics_summary(out: pathlib.Path, fmt: str) -> dict | None:
+    """The five worst tensors for `fmt` in the last report of `out/numerics.jsonl`
+    (written with `trainer.numerics_every`), or None if there is none."""
+    path = out / "numerics.jsonl"
+    if not path.exists():
+        return None
+    with open(path, encoding="utf-8") as f:
+        last = [line for line in f if line.strip()][-1]
+    record = json.loads(last)
+    worst = lowtrain.numerics.Report(record["rows"]).worst(5, fmt)
+    keys = ("name", "pass", "dtype", "shape", "rms", "absmax")
+    return {
+        "step": record["step"],
+        "format": fmt,
+        "worst": [
+            {k: r[k] for k in keys}
+            | {"underflow": r["underflow"][fmt], "overflow": r["overflow"][fmt]}
+            for r in worst
+        ],
+    }

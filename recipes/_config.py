@@ -22,6 +22,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from lowtrain.numerics import FORMATS
+
 TASKS = ("mnist", "gpt")
 
 
@@ -117,9 +119,17 @@ class TrainerConfig:
     redo_on_nan: int = 0  # recompute a step at a lower loss scale up to N times
     sharding: str = "replicated"  # or "fsdp": parameters, optimizer state split
     grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
+    numerics_every: int | None = None  # steps between numerics reports (None: off)
+    numerics_format: str = "float8_e4m3fn"  # the format numerics.png and summary judge
 
     def __post_init__(self):
-        for name in ("steps", "epochs", "eval_every", "checkpoint_every"):
+        for name in (
+            "steps",
+            "epochs",
+            "eval_every",
+            "checkpoint_every",
+            "numerics_every",
+        ):
             if getattr(self, name) is not None:
                 _positive(getattr(self, name), f"trainer.{name}")
         names = ("batch_size", "eval_batch_size", "log_every", "keep_checkpoints")
@@ -132,6 +142,11 @@ class TrainerConfig:
             )
         for name in ("seed", "prefetch", "redo_on_nan"):
             _at_least(getattr(self, name), 0, f"trainer.{name}")
+        if self.numerics_format not in FORMATS:
+            raise ValueError(
+                f"Expected `trainer.numerics_format` among {', '.join(FORMATS)}, got "
+                f"{self.numerics_format!r} instead."
+            )
 
 
 @dataclass

@@ -15,6 +15,7 @@ import jax
 from omegaconf import DictConfig, OmegaConf
 
 from . import _distributed, gpt, mnist
+from ._common import numerics_summary
 from ._config import TASKS, Config
 from ._plots import plot_metrics
 
@@ -80,6 +81,7 @@ def run(cfg: DictConfig, output_dir) -> dict:
         "seconds": round(seconds, 1),
         "output_dir": str(out),
         "plots": [p.name for p in plots],
+        "numerics": numerics_summary(out, config.trainer.numerics_format),
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     if not main:

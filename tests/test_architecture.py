@@ -44,6 +44,7 @@ LAYERS = {
     "lowtrain._loss_scale": 1,
     "lowtrain._rewrite": 1,
     "lowtrain.unit_scaling": 1,
+    "lowtrain.numerics": 1,
     "lowtrain.train": 2,
     "lowtrain": 3,  # the package's __init__: the public surface
     "lowtrain.recipes": 4,

@@ -81,6 +81,19 @@ def test_eqn_name_stack():
     )
 
 
+def test_enter_name_stack():
+    # An equation re-emitted inside `enter_name_stack` gets the same name stack,
+    # transforms included (what `lowtrain.numerics` reads the backward pass from).
+    eqn, _ = _sin_under_jvp_in_scopes()
+
+    def again(x):
+        with _compat.enter_name_stack(eqn):
+            return jnp.sin(x)
+
+    (new,) = jax.make_jaxpr(again)(jnp.ones(2)).jaxpr.eqns
+    assert _compat.eqn_name_stack(new) == "jvp(outer)/inner"
+
+
 def test_eqn_source_line():
     eqn, f = _sin_under_jvp_in_scopes()
     line = _compat.eqn_source_line(eqn)

@@ -9,6 +9,7 @@ import pytest
 
 import lowtrain
 import lowtrain.fp8
+import lowtrain.numerics
 import lowtrain.scalify
 import lowtrain.train
 import lowtrain.unit_scaling
@@ -19,6 +20,7 @@ import lowtrain.unit_scaling.optim
 MODULES = (
     lowtrain,
     lowtrain.fp8,
+    lowtrain.numerics,
     lowtrain.scalify,
     lowtrain.train,
     lowtrain.unit_scaling,

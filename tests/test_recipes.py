@@ -497,11 +497,25 @@ def test_gpt_run_naive_fp8(tmp_path):
     words = np.array(["to", "be", "or", "not", "that", "is", "the", "question"])
     text.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(200)))
     cfg = make_config(
-        "recipe=gpt", "precision=fp8_naive", f"data.path={text}", *TINY_GPT
+        "recipe=gpt",
+        "precision=fp8_naive",
+        f"data.path={text}",
+        *TINY_GPT,
+        "trainer.numerics_every=10",
+        "trainer.numerics_format=float8_e5m2",
     )
     summary = _run.run(cfg, tmp_path / "run")
     check_outputs(tmp_path / "run", "val_loss")
     assert summary["precision"] == "fp8_naive" and summary["vocab_size"] == 14
+    # Numerics reports before steps 1 and 11, the worst tensors of the last.
+    lines = (tmp_path / "run" / "numerics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 10]
+    assert (tmp_path / "run" / "numerics.png").read_bytes()[:4] == b"\x89PNG"
+    numerics = summary["numerics"]
+    assert numerics["step"] == 10 and numerics["format"] == "float8_e5m2"
+    assert 0 < len(numerics["worst"]) <= 5
+    lost = [w["underflow"] + w["overflow"] for w in numerics["worst"]]
+    assert lost == sorted(lost, reverse=True) and lost[0] > 0
     assert (tmp_path / "run" / "sample.txt").read_text()
 
 

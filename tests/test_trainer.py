@@ -381,3 +381,21 @@ def test_scalify_precision_trains(compute):
     assert metrics["loss"].dtype == jnp.float32
     np.testing.assert_allclose(losses, ref_losses, rtol=0.05)
     assert losses[-1] < losses[0]
+
+
+def test_numerics_every_records_reports(tmp_path):
+    trainer = Regression(make_model(), SGD(0.01), numerics_every=2)
+    state = trainer.init(key=jax.random.key(0))
+    metrics = tmp_path / "metrics.jsonl"
+    trainer.fit(state, make_data(), steps=5, metrics_file=metrics, progress=False)
+    lines = (tmp_path / "numerics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [0, 2, 4]  # before those steps' updates
+    rows = records[-1]["rows"]
+    assert {r["pass"] for r in rows} == {"fwd", "bwd"}
+    assert all(r["dtype"] == "float32" for r in rows)
+    assert (tmp_path / "numerics.png").read_bytes()[:4] == b"\x89PNG"
+    assert trainer.numerics.last_step == 4
+    assert Regression(make_model(), SGD(0.01)).numerics.every is None
+    with pytest.raises(ValueError, match="numerics_every"):
+        Regression(make_model(), SGD(0.01), numerics_every=0)

@@ -35,6 +35,23 @@ def _positive_int(value, what: str, *, optional: bool = True) -> int | None:
     return value
 
 
+def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:
+    """The `Trainer` constructor's checks of its class (`no_loss`: it does not
+    define `loss`) and of its optimizer."""
+    if no_loss:
+        raise TypeError(
+            f"Expected a subclass of `lowtrain.Trainer` that defines "
+            f"`loss(self, model, batch, *, key)`, got {cls.__name__} "
+            "without one instead. Subclass it: `class MyTrainer(lowtrain.Trainer)"
+            ": def loss(self, model, batch, *, key): ...`."
+        )
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            "Expected an Optax optimizer such as `optax.adam(1e-3)`, got "
+            f"{type(optimizer).__name__} instead."
+        )
+
+
 def check_loss(step: int, loss) -> None:
     value = float(loss)
     if not math.isfinite(value):

@@ -21,6 +21,7 @@ from .._loss_scale import NoOpLossScale, _LossScale
 from ._accumulate import accumulated_value_and_grad, check_counts
 from ._fit import (
     check_loss,
+    check_trainer_args,
     mean_metrics,
     plan_fit,
     record,
@@ -29,6 +30,7 @@ from ._fit import (
 )
 from ._hooks import Hook, StepInfo
 from ._metrics import JsonlWriter, global_norm
+from ._numerics import NumericsRecorder
 from ._placement import constrain_state, data_mesh, put_state, shard_batch
 from ._precision import Precision
 from ._precisions import resolve
@@ -63,6 +65,7 @@ class Trainer:
     - `learning_rate`: a number or an Optax schedule, only for logging, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
     - `transform` (deprecated): "scalify" meant `precision=Scalify(policy)`.
+    - `numerics_every=N`: reports in `fit` (`self.numerics`, a `NumericsRecorder`).
     - `devices` (default `jax.devices()`, of all processes): a 1-D `Mesh` "data";
       each batch is split along its leading axis (which must divide by the number of
       devices), gradients averaged by XLA: a step computes the same as on one device.
@@ -118,19 +121,9 @@ class Trainer:
         sharding: str = "replicated",
         grad_accum: int = 1,
         transform: str | None = None,
+        numerics_every: int | None = None,
     ):
-        if type(self).loss is Trainer.loss:
-            raise TypeError(
-                f"Expected a subclass of `lowtrain.Trainer` that defines "
-                f"`loss(self, model, batch, *, key)`, got {type(self).__name__} "
-                "without one instead. Subclass it: `class MyTrainer(lowtrain.Trainer)"
-                ": def loss(self, model, batch, *, key): ...`."
-            )
-        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise TypeError(
-                "Expected an Optax optimizer such as `optax.adam(1e-3)`, got "
-                f"{type(optimizer).__name__} instead."
-            )
+        check_trainer_args(type(self), type(self).loss is Trainer.loss, optimizer)
         self.precision = resolve(precision, policy, transform)
         if loss_scale is None:
             loss_scale = self.precision.default_loss_scale() or NoOpLossScale()
@@ -149,6 +142,7 @@ class Trainer:
         self.learning_rate = learning_rate
         self.devices, self.mesh, self.sharding = data_mesh(devices, sharding)
         self.hooks: list[Hook] = []
+        self.numerics = NumericsRecorder(numerics_every)
 
     # -- override points ---------------------------------------------------------
 
@@ -357,6 +351,7 @@ class Trainer:
         try:
             for s in range(start, plan.total):
                 batch = self.shard_batch(data(s))
+                self.numerics.maybe_record(self, state, batch, s, metrics_file)
                 state, metrics = self.compiled_step(batch, state)
                 done = s + 1
                 bar.update(1)

@@ -1,0 +1,299 @@
+"""`track`: run a function and report the statistics of every float tensor it makes.
+
+A transform on the interpreter core: `_TrackInterpreter.rule` binds each equation as
+written and records its float outputs; their statistics (`_stats.batch_stats`, all
+tensors of a program at once) are returned by the compiled program next to the
+function's outputs. The
+higher-order rules are this interpreter's own, because statistics computed inside a
+loop body or a branch must leave it as outputs: `scan` and `while` carry them,
+merged over the iterations (one row per equation of the body, aggregated exactly:
+absmax is the max, RMS over all iterations' values, counts summed); `cond` returns
+every branch's, those of the branches not taken empty (and dropped from the report).
+`jit`, `remat`, `custom_jvp` and `custom_vjp` calls are inlined: the values are the
+same, and the tracked function is for evaluation, not for differentiation (track
+`jax.value_and_grad(loss)` to see the backward pass).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _compat
+from .._eqn import Eqn, is_float
+from .._interpret import FlatCall, Interpreter
+from ._report import Report
+from ._stats import batch_stats, empty_stats, merge, merge_stacked
+
+
+def _name_stacks(closed, out: dict) -> dict:
+    # Each equation's name stack, by its first output variable (the `Eqn` a rule sees
+    # has the variables but not the name stack). JAX writes `transpose(...)` in the
+    # name stack of the equations of a backward pass; sub-jaxprs' names are relative.
+    for jeqn in closed.jaxpr.eqns if hasattr(closed, "jaxpr") else closed.eqns:
+        if jeqn.outvars:
+            out[jeqn.outvars[0]] = _compat.eqn_name_stack(jeqn)
+        for sub in _compat.jaxprs_in_params(jeqn.params):
+            _name_stacks(sub, out)
+    return out
+
+
+# Ops that only move values: their statistics are their input's, so no row.
+_LAYOUT = frozenset(
+    {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy"}
+)
+
+
+class _TrackInterpreter(Interpreter):
+    def __init__(self, stacks: dict):
+        self.stacks = stacks
+        self.records: list = []  # (meta, (moments, counts)) in program order
+        self.bwd = False
+
+    def _is_bwd(self, eqn: Eqn) -> bool:
+        stack = self.stacks.get(eqn.outvars[0], "") if eqn.outvars else ""
+        return self.bwd or "transpose(" in stack
+
+    def rule(self, eqn: Eqn, *invals) -> list:
+        outs = eqn.bind(*invals)
+        if eqn.primitive.name in _LAYOUT:
+            return outs
+        name = "/".join((*eqn.scopes, eqn.primitive.name))
+        bwd = self._is_bwd(eqn)
+        for out, aval in zip(outs, eqn.out_avals):
+            if is_float(aval):
+                meta = (name, eqn.primitive.name, "bwd" if bwd else "fwd")
+                meta = (*meta, str(aval.dtype), tuple(aval.shape))
+                self.records.append((meta, out))  # statistics in `_finish`
+        return outs
+
+    def join(self, types):
+        return types[0]  # values keep the program's types
+
+    def coerce(self, value, type_):
+        return value
+
+    @contextlib.contextmanager
+    def _sub(self, eqn: Eqn):
+        # Evaluate a sub-program with its own record list; restore ours after.
+        saved, saved_bwd = self.records, self.bwd
+        self.records, self.bwd = [], self._is_bwd(eqn)
+        try:
+            yield
+        finally:
+            self.records, self.bwd = saved, saved_bwd
+
+    def _run(self, eqn: Eqn, closed, args) -> tuple[list, list]:
+        with self._sub(eqn):
+            return self.eval_jaxpr(closed, args, eqn.scopes), _finish(self.records)
+
+    def higher_order(self, eqn: Eqn, *invals) -> list:
+        prim, p = eqn.primitive, eqn.params
+        if prim is _compat.scan_p:
+            return self._scan(eqn, *invals)
+        if prim is _compat.while_p:
+            return self._while(eqn, *invals)
+        if prim is _compat.cond_p:
+            return self._cond(eqn, *invals)
+        if prim is _compat.remat_p:
+            sub = _compat.ClosedJaxpr(p["jaxpr"], ())
+        elif prim is _compat.jit_p:
+            sub = p["jaxpr"]
+        else:  # custom_jvp_call, custom_vjp_call: the primal function as written
+            sub = p["call_jaxpr"]
+        with self._sub(eqn):  # same trace: statistics at the end, with the rest
+            outs = self.eval_jaxpr(sub, list(invals), eqn.scopes, memo=eqn.memo)
+            records = self.records
+        self.records.extend(records)
+        return outs
+
+    def _scan(self, eqn: Eqn, *args):
+        p = eqn.params
+        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        consts, init, xs = (
+            args[:n_consts],
+            args[n_consts : n_consts + n_carry],
+            args[n_consts + n_carry :],
+        )
+        metas = []
+
+        def body(carry, x):
+            outs, records = self._run(eqn, p["jaxpr"], [*consts, *carry, *x])
+            metas[:] = [m for m, _ in records]
+            return outs[:n_carry], (outs[n_carry:], [s for _, s in records])
+
+        carry, (ys, stats) = lax.scan(
+            body,
+            list(init),
+            list(xs),
+            length=p["length"],
+            reverse=p["reverse"],
+            unroll=p["unroll"],
+        )
+        for meta, (moments, counts) in zip(metas, stats):
+            self.records.append((meta, merge_stacked(moments, counts)))
+        return [*carry, *ys]
+
+    def _while(self, eqn: Eqn, *args):
+        p = eqn.params
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts, init = args[:nc], args[nc : nc + nb], args[nc + nb :]
+        metas = []
+
+        def body(carry):
+            values, acc = carry
+            outs, records = self._run(eqn, p["body_jaxpr"], [*body_consts, *values])
+            metas[:] = [m for m, _ in records]
+            new = [s for _, s in records]
+            return outs, new if acc is None else [merge(a, b) for a, b in zip(acc, new)]
+
+        acc_types = jax.eval_shape(lambda c: body((c, None))[1], list(init))
+        acc = [empty_stats() for _ in acc_types]
+
+        def cond(carry):
+            (pred,), _ = self._run(eqn, p["cond_jaxpr"], [*cond_consts, *carry[0]])
+            return pred
+
+        values, acc = lax.while_loop(cond, body, (list(init), acc))
+        self.records.extend(zip(metas, acc))
+        return list(values)
+
+    def _cond(self, eqn: Eqn, index, *ops):
+        branches = eqn.params["branches"]
+        metas = [[] for _ in branches]
+
+        def run(i):
+            def branch(*o):
+                outs, records = self._run(eqn, branches[i], list(o))
+                metas[i][:] = [m for m, _ in records]
+                mine = [s for _, s in records]
+                stats = [
+                    mine if j == i else [empty_stats() for _ in metas[j]]
+                    for j in range(len(branches))
+                ]
+                return outs, stats
+
+            return branch
+
+        for i in range(len(branches)):  # learn each branch's records
+            jax.eval_shape(run(i), *ops)
+        outs, stats = lax.switch(index, [run(i) for i in range(len(branches))], *ops)
+        for ms, ss in zip(metas, stats):
+            self.records.extend(zip(ms, ss))
+        return list(outs)
+
+
+def _finish(records: list) -> list:
+    # `(meta, array)` records get their statistics, all in one `batch_stats`;
+    # `(meta, (moments, counts))` records (from loops and branches) are done.
+    raw = [i for i, (_, v) in enumerate(records) if not isinstance(v, tuple)]
+    if not raw:
+        return list(records)
+    moments, counts = batch_stats([records[i][1] for i in raw])
+    out = list(records)
+    for j, i in enumerate(raw):
+        out[i] = (records[i][0], (moments[j], counts[j]))
+    return out
+
+
+@eqx.filter_jit
+def _tracked_call(fn, args, kwargs):
+    call = FlatCall(fn, args, kwargs)
+    closed = jax.make_jaxpr(call)(*call.inputs)
+    interp = _TrackInterpreter(_name_stacks(closed, {}))
+    # The float inputs first (the weights, say): rows named by their path.
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path((fn, args, kwargs))[0]
+        if eqx.is_array(leaf)
+    ]
+    for path, x in zip(paths, call.inputs):
+        if is_float(x):
+            meta = (f"input{path}", "input", "fwd", str(x.dtype), tuple(x.shape))
+            interp.records.append((meta, x))
+    outs = interp.eval_jaxpr(closed, call.inputs)
+    records = _finish(interp.records)
+    metas = tuple(m for m, _ in records)
+    if not metas:
+        moments, counts = empty_stats()
+        return call.rebuild(outs), moments[:0], counts[:0], metas
+    moments = jnp.stack([m for _, (m, _) in records])  # (rows, 2)
+    counts = jnp.stack([c for _, (_, c) in records])  # (rows, N_COUNTS)
+    return call.rebuild(outs), moments, counts, metas
+
+
+class _Tracked(eqx.Module):
+    fn: Callable
+
+    @property
+    def __wrapped__(self):
+        return self.fn
+
+    def __call__(self, *args, **kwargs) -> tuple[Any, Report]:
+        outs, moments, counts, metas = _tracked_call(self.fn, args, kwargs)
+        if isinstance(moments, jax.core.Tracer):
+            raise TypeError(
+                "Expected a tracked function to be called outside `jax.jit` (its "
+                "report is read on the host), got a call inside a traced function "
+                "instead. Jit the function you track: `track(jax.jit(fn))`."
+            )
+        return outs, Report.from_stats(metas, np.asarray(moments), np.asarray(counts))
+
+
+def track(fn: Callable) -> Callable[..., tuple[Any, Report]]:
+    """`fn` returning `(fn's outputs, report)`: the statistics of every float tensor
+    its program makes, as a `lowtrain.numerics.Report`.
+
+    `fn` is traced at the types it is called with and run, compiled, with every
+    equation as written, so the outputs are `fn`'s: bitwise as under `jax.jit` for a
+    float32 program; with float16/bfloat16 intermediates, to their rounding (XLA may
+    keep those in float32 inside a fusion, `xla_allow_excess_precision`, and reading
+    them for statistics changes the fusions; bitwise again with
+    `XLA_FLAGS=--xla_allow_excess_precision=false`).
+    Each float input (`primitive` "input", `name` "input" and its path in `(fn,
+    args, kwargs)`, e.g. `"input[1][0].weight"`), and each float output of each
+    equation (but those that only move values: reshape, transpose, broadcast, ...)
+    gets a row of the report: its scope path,
+    pass (`"bwd"` for the equations of a transposed program: track
+    `jax.value_and_grad(loss)` to see the backward pass), dtype, shape, RMS, absmax,
+    and which fraction of its nonzero values would underflow to zero / overflow if
+    cast to float16, bfloat16, float8_e4m3fn and float8_e5m2. The statistics are
+    computed inside the compiled program (a few reductions per tensor, returned next
+    to the outputs: no host round trip per op). Inside `lax.scan` and `while` loops
+    they are aggregated over the iterations (one row per equation of the body, over
+    the values of all iterations: absmax the max, RMS over all of them, fractions of
+    all of them); of a `cond`, only the branch taken has rows. An AMP or scalify
+    transformed function is reported as it runs, in its own dtypes; a `ScaledArray`'s
+    data and scale are separate arrays there, so its rows are its data as stored.
+
+    Like `amp`, the result is an `eqx.Module` wrapping `fn`, compiled once per input
+    structure.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.numerics
+
+    def loss(w, x):
+        with jax.named_scope("tiny"):
+            y = x @ w
+        return jnp.sum(y**2)
+
+    w, x = jnp.full((8, 4), 1e-3), jnp.full((2, 8), 1e-3)
+    (value, grad), report = lowtrain.numerics.track(jax.value_and_grad(loss))(w, x)
+    assert value == jax.jit(loss)(w, x)
+    row = next(r for r in report.rows if r["name"] == "tiny/dot_general")
+    assert row["pass"] == "fwd" and row["underflow"]["float8_e4m3fn"] == 1.0
+    assert {r["pass"] for r in report.rows} == {"fwd", "bwd"}
+    ```
+    """
+    if not callable(fn):
+        raise TypeError(f"Expected a function or callable module, got {fn!r} instead.")
+    return _Tracked(fn)

@@ -1,0 +1,90 @@
+"""`Trainer(numerics_every=N)`: a `lowtrain.numerics` report of the train step every N
+steps, written next to the metrics file (`numerics.jsonl`, `numerics.png`)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+
+from .. import numerics
+from .._loss_scale import scaled_value_and_grad
+
+
+class NumericsRecorder:
+    """Records a `lowtrain.numerics.Report` of the loss and gradients of the batch
+    about to be trained on, when `state.step % every == 0` (so at the first step of a
+    run too), before the update; `every=None` never does.
+
+    Each report is kept as `last` (with its step as `last_step`) and, when
+    `Trainer.fit` has a `metrics_file`, appended to `numerics.jsonl` in its folder
+    (one line `{"step": s, "rows": [...]}`) with the latest scale plot for `fmt` as
+    `numerics.png` there. Tracking is a second compiled program (compiled at the
+    first report); the train step itself is unchanged.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import optax
+    import lowtrain
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean()
+
+    model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+    trainer = Fit(model, optax.sgd(0.1), numerics_every=2)
+    data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
+    state = trainer.init(key=jax.random.key(1))
+    trainer.fit(state, lambda step: data, steps=3, progress=False)
+    assert trainer.numerics.last_step == 2
+    assert {r["pass"] for r in trainer.numerics.last.rows} == {"fwd", "bwd"}
+    ```
+    """
+
+    def __init__(self, every: int | None, fmt: str = "float8_e4m3fn"):
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ValueError(
+                f"Expected `numerics_every` as an int >= 1 or None, got {every!r} "
+                "instead."
+            )
+        if fmt not in numerics.FORMATS:
+            raise ValueError(
+                f"Expected a format among {', '.join(numerics.FORMATS)}, got {fmt!r} "
+                "instead."
+            )
+        self.every, self.fmt = every, fmt
+        self.last: numerics.Report | None = None
+        self.last_step: int | None = None
+        self._tracked = None
+
+    def _build(self, trainer):
+        p = trainer.precision
+        value_and_grad = scaled_value_and_grad(trainer._loss_with_aux, has_aux=True)
+
+        def loss_and_grads(batch, state):  # what the train step computes first
+            key = jax.random.fold_in(state.key, state.step)
+            ((loss, _), grads), _, _ = value_and_grad(
+                state.loss_scale, state.model, p.inputs(batch), key=key
+            )
+            return grads, {"loss": loss}
+
+        return numerics.track(p.wrap_step(loss_and_grads))
+
+    def maybe_record(self, trainer, state, batch, step: int, metrics_file) -> None:
+        """Record a report if `step % every == 0` (see the class docstring)."""
+        if self.every is None or step % self.every:
+            return
+        if self._tracked is None:
+            self._tracked = self._build(trainer)
+        _, report = self._tracked(batch, state)
+        self.last, self.last_step = report, step
+        if metrics_file is None or jax.process_index() != 0:
+            return
+        folder = pathlib.Path(metrics_file).parent
+        with open(folder / "numerics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "rows": report.to_json()}) + "\n")
+        report.plot(folder / "numerics.png", self.fmt)
