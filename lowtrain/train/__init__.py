@@ -6,8 +6,8 @@ from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._data import ArrayBatches as ArrayBatches
 from ._hooks import StepInfo as StepInfo
-from ._placement import array_spec as array_spec
 from ._numerics import NumericsRecorder as NumericsRecorder
+from ._placement import array_spec as array_spec
 from ._precision import Chain as Chain
 from ._precision import Precision as Precision
 from ._precisions import Amp as Amp
