@@ -8,6 +8,7 @@ build small ones. Test files import from here, never from each other.
 """
 
 import gzip
+import math
 import os
 import pathlib
 import socket
@@ -207,6 +208,55 @@ def gpt_batches(key, n, *, batch_size=4, length=8, vocab=16):
     data = rng.integers(0, vocab, (n, batch_size, length + 1), dtype=np.int32)
     data[..., 1::2] = (data[..., ::2][..., : data[..., 1::2].shape[-1]] + 1) % vocab
     return [(jnp.asarray(d[:, :-1]), jnp.asarray(d[:, 1:])) for d in data]
+
+
+def small_gpt_params(key, *, vocab=32, n_embd=32, block_size=8):
+    """The parameters of `small_gpt_loss`: a dict of float32 arrays, matrices drawn
+    N(0, 1 / fan_in), embeddings N(0, 1 / n_embd), layer-norm gains 1 and biases 0."""
+    c, keys = n_embd, jax.random.split(key, 6)
+    normal = lambda k, shape, fan_in: jax.random.normal(k, shape) / np.sqrt(fan_in)
+    ones, zeros = jnp.ones(c), jnp.zeros(c)
+    return {
+        "wte": normal(keys[0], (vocab, c), c),
+        "wpe": normal(keys[1], (block_size, c), c),
+        "ln1": (ones, zeros),
+        "qkv": normal(keys[2], (c, 3 * c), c),
+        "proj": normal(keys[3], (c, c), c),
+        "ln2": (ones, zeros),
+        "fc": normal(keys[4], (c, 4 * c), c),
+        "out": normal(keys[5], (4 * c, c), 4 * c),
+        "ln_f": (ones, zeros),
+    }
+
+
+def _layer_norm(x, gain_bias):
+    gain, bias = gain_bias
+    mean = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+    y = (x - mean) * lax.rsqrt(var + 1e-5)
+    return y * jnp.broadcast_to(gain, y.shape) + jnp.broadcast_to(bias, y.shape)
+
+
+def small_gpt_loss(params, tokens, targets, *, n_head=2):
+    """A one-block GPT-like loss in plain JAX, written as a new user would: token
+    embedding gather plus positions, pre-layer-norm causal attention and GELU MLP
+    with residuals, a final layer norm, the readout tied to the token embedding and
+    the mean cross-entropy of `(B, T)` int `targets`."""
+    p = params
+    b, t = tokens.shape
+    c = p["wte"].shape[1]
+    x = p["wte"][tokens] + jnp.broadcast_to(p["wpe"][:t], (b, t, c))  # (B, T, C)
+    q, k, v = jnp.split(_layer_norm(x, p["ln1"]) @ p["qkv"], 3, axis=-1)
+    q, k, v = (a.reshape(b, t, n_head, c // n_head) for a in (q, k, v))
+    att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(c // n_head)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
+    att = jnp.where(causal, att, -jnp.inf)  # (B, nh, T, T)
+    y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(att, axis=-1), v)
+    x = x + y.reshape(b, t, c) @ p["proj"]
+    x = x + jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["fc"]) @ p["out"]
+    logits = _layer_norm(x, p["ln_f"]) @ p["wte"].T  # (B, T, V)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
 
 
 def tiny_mlp(key, hidden=(16,)):

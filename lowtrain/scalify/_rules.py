@@ -4,6 +4,10 @@ A rule gets the equation and its inputs, each a `ScaledArray` or a plain array (
 one is scaled), and returns the outputs. Each rule's docstring states the scale it
 chooses. Data is kept in the dtype the program was traced with; rescaling by ratios of
 scales (powers of two by default) is done in float32 and is exact.
+
+The arithmetic rules (their docstrings end "then `fit`") pick a static scale from the
+unit-scaling variance model, then `fit` (`_auto.py`) moves the scale where the float32
+data's RMS left a safe band, before the data is cast.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import numpy as np
 from jax import lax
 
 from .._interpret import SCATTERS, Eqn
-from ._scaled_array import ScaledArray, is_scaled, pow2_round
+from ._auto import Ctx, fit
+from ._scaled_array import ScaledArray, is_scaled
 
 F32 = jnp.float32
 
@@ -36,16 +41,6 @@ def register(*names: str):
         return rule
 
     return add
-
-
-class Ctx:
-    """What rules need besides their inputs: the power-of-two rounding mode."""
-
-    def __init__(self, pow2: str):
-        self.pow2_mode = pow2
-
-    def pow2(self, x):
-        return pow2_round(x, self.pow2_mode)
 
 
 # -- helpers ---------------------------------------------------------------------------
@@ -100,11 +95,13 @@ def in_dtypes(eqn: Eqn):
 
 
 def as_output(ctx: Ctx, eqn: Eqn, result_f32, scale=None):
-    """A float32 result as a ScaledArray: with `scale`, or (None) scaled dynamically
-    by its own max-abs (one reduction), so any range fits the data dtype."""
-    if scale is None:
-        amax = jnp.max(jnp.abs(result_f32))
-        scale = ctx.pow2(jnp.where(jnp.isfinite(amax) & (amax > 0), amax, 1.0))
+    """A float32 result as a ScaledArray: with `scale` (then `fit`), or (None) scaled
+    dynamically by its own max-abs (one reduction), so any range fits the data
+    dtype."""
+    if scale is not None:
+        return fit(ctx, eqn, result_f32 * ratio(1.0, scale), scale)
+    amax = jnp.max(jnp.abs(result_f32))
+    scale = ctx.pow2(jnp.where(jnp.isfinite(amax) & (amax > 0), amax, 1.0))
     data = (result_f32 * ratio(1.0, scale)).astype(out_dtype(eqn))
     return ScaledArray(data, scale)
 
@@ -115,33 +112,31 @@ def as_output(ctx: Ctx, eqn: Eqn, result_f32, scale=None):
 @register("add", "sub", "add_any")
 def _add(ctx, eqn, a, b):
     """Scale `sqrt(sa**2 + sb**2)` (power of two): the scale of a sum of independent
-    unit-scaled terms, so the result's data stays near unit range."""
+    unit-scaled terms; then `fit` (cancellation: `x - mean(x)`)."""
     a, b = scaled(a), scaled(b)
     scale = ctx.pow2(jnp.sqrt(a.scale**2 + b.scale**2))
     da, db = rescaled(a, scale, F32), rescaled(b, scale, F32)
-    out = da - db if eqn.primitive.name == "sub" else da + db
-    return [ScaledArray(out.astype(out_dtype(eqn)), scale)]
+    return [fit(ctx, eqn, da - db if eqn.primitive.name == "sub" else da + db, scale)]
 
 
 @register("mul")
 def _mul(ctx, eqn, a, b):
-    """Scale `sa * sb`; data `da * db`."""
+    """Scale `sa * sb`, data `da * db`; then `fit`."""
     a, b = scaled(a), scaled(b)
-    data = a.data.astype(F32) * b.data.astype(F32)
-    return [ScaledArray(data.astype(out_dtype(eqn)), a.scale * b.scale)]
+    return [fit(ctx, eqn, a.data.astype(F32) * b.data.astype(F32), a.scale * b.scale)]
 
 
 @register("div")
 def _div(ctx, eqn, a, b):
-    """Scale `sa / sb`; data `da / db`."""
+    """Scale `sa / sb`, data `da / db`; then `fit`."""
     a, b = scaled(a), scaled(b)
-    data = a.data.astype(F32) / b.data.astype(F32)
-    return [ScaledArray(data.astype(out_dtype(eqn)), a.scale / b.scale)]
+    return [fit(ctx, eqn, a.data.astype(F32) / b.data.astype(F32), a.scale / b.scale)]
 
 
 def _contraction(ctx, eqn, a, b, k):
     """`eqn` (a matmul or convolution) on the data, accumulated in float32, with scale
-    `sa * sb * sqrt(k)` (power of two): a sum of k unit-scaled products."""
+    `sa * sb * sqrt(k)` (power of two): a sum of k unit-scaled products; then
+    `fit`."""
     scale = ctx.pow2(a.scale * b.scale * math.sqrt(k))
     da, db = a.data, b.data
     if jax.default_backend() == "cpu":
@@ -149,14 +144,13 @@ def _contraction(ctx, eqn, a, b, k):
         # give the same numbers (every half value is exact in float32).
         da, db = da.astype(F32), db.astype(F32)
     acc = eqn.bind(da, db, preferred_element_type=F32)[0]
-    data = (acc * ratio(a.scale * b.scale, scale)).astype(out_dtype(eqn))
-    return [ScaledArray(data, scale)]
+    return [fit(ctx, eqn, acc * ratio(a.scale * b.scale, scale), scale)]
 
 
 @register("dot_general")
 def _dot_general(ctx, eqn, a, b):
-    """Scale `sa * sb * sqrt(K)` (power of two), K the contracted size. Float32
-    accumulation."""
+    """Scale `sa * sb * sqrt(K)` (power of two), K the contracted size, then `fit`.
+    Float32 accumulation."""
     a, b = scaled(a), scaled(b)
     (contract, _), _ = eqn.params["dimension_numbers"]
     return _contraction(ctx, eqn, a, b, math.prod(a.shape[i] for i in contract))
@@ -165,7 +159,7 @@ def _dot_general(ctx, eqn, a, b):
 @register("conv_general_dilated")
 def _conv(ctx, eqn, a, b):
     """Scale `sa * sb * sqrt(K)` (power of two), K the kernel's fan-in (input
-    features per group times its spatial size). Float32 accumulation."""
+    features per group times its spatial size), then `fit`. Float32 accumulation."""
     a, b = scaled(a), scaled(b)
     rhs_spec = eqn.params["dimension_numbers"].rhs_spec  # (out, in, *spatial)
     return _contraction(ctx, eqn, a, b, math.prod(b.shape[i] for i in rhs_spec[1:]))
@@ -173,22 +167,23 @@ def _conv(ctx, eqn, a, b):
 
 @register("reduce_sum")
 def _reduce_sum(ctx, eqn, a):
-    """Scale `sa * sqrt(N)` (power of two), N the number of reduced elements.
-    Float32 accumulation."""
+    """Scale `sa * sqrt(N)` (power of two), N the number of reduced elements, then
+    `fit` (correlated terms sum to N). Float32 accumulation."""
     a = scaled(a)
     n = math.prod(a.shape[i] for i in eqn.params["axes"])
     scale = ctx.pow2(a.scale * math.sqrt(n))
     acc = jnp.sum(a.data.astype(F32), axis=eqn.params["axes"])
-    return [ScaledArray((acc * ratio(a.scale, scale)).astype(out_dtype(eqn)), scale)]
+    return [fit(ctx, eqn, acc * ratio(a.scale, scale), scale)]
 
 
 @register("cumsum")
 def _cumsum(ctx, eqn, a):
-    """Scale `sa * sqrt(N)` (power of two), N the length of the summed axis."""
+    """Scale `sa * sqrt(N)` (power of two), N the length of the summed axis, then
+    `fit`."""
     a = scaled(a)
     scale = ctx.pow2(a.scale * math.sqrt(a.shape[eqn.params["axis"]]))
     acc = lax.cumsum(a.data.astype(F32), eqn.params["axis"], eqn.params["reverse"])
-    return [ScaledArray((acc * ratio(a.scale, scale)).astype(out_dtype(eqn)), scale)]
+    return [fit(ctx, eqn, acc * ratio(a.scale, scale), scale)]
 
 
 # -- ops on the data that keep the scale -----------------------------------------------
@@ -283,35 +278,33 @@ def _convert(ctx, eqn, a):
 
 @register("integer_pow")
 def _integer_pow(ctx, eqn, a):
-    """Scale `sa ** y`; data `da ** y`."""
+    """Scale `sa ** y`, data `da ** y`; then `fit`."""
     y = eqn.params["y"]
-    data = lax.integer_pow(a.data.astype(F32), y).astype(out_dtype(eqn))
-    return [ScaledArray(data, a.scale**y)]
+    return [fit(ctx, eqn, lax.integer_pow(a.data.astype(F32), y), a.scale**y)]
 
 
 @register("square")
 def _square(ctx, eqn, a):
-    """Scale `sa ** 2`; data `da ** 2`."""
-    data = jnp.square(a.data.astype(F32)).astype(out_dtype(eqn))
-    return [ScaledArray(data, a.scale**2)]
+    """Scale `sa ** 2`, data `da ** 2`; then `fit`."""
+    return [fit(ctx, eqn, jnp.square(a.data.astype(F32)), a.scale**2)]
 
 
 @register("sqrt")
 def _sqrt(ctx, eqn, a):
-    """Scale `sqrt(sa)` (power of two); data `sqrt(da)` times the rounding ratio."""
+    """Scale `sqrt(sa)` (power of two), data `sqrt(da)` times the rounding ratio;
+    then `fit`."""
     root = jnp.sqrt(a.scale)
     scale = ctx.pow2(root)
-    data = jnp.sqrt(a.data.astype(F32)) * ratio(root, scale)
-    return [ScaledArray(data.astype(out_dtype(eqn)), scale)]
+    return [fit(ctx, eqn, jnp.sqrt(a.data.astype(F32)) * ratio(root, scale), scale)]
 
 
 @register("rsqrt")
 def _rsqrt(ctx, eqn, a):
-    """Scale `1 / sqrt(sa)` (power of two); data `rsqrt(da)` times the ratio."""
+    """Scale `1 / sqrt(sa)` (power of two), data `rsqrt(da)` times the ratio; then
+    `fit` (the rsqrt of a small variance)."""
     root = lax.rsqrt(a.scale)
     scale = ctx.pow2(root)
-    data = lax.rsqrt(a.data.astype(F32)) * ratio(root, scale)
-    return [ScaledArray(data.astype(out_dtype(eqn)), scale)]
+    return [fit(ctx, eqn, lax.rsqrt(a.data.astype(F32)) * ratio(root, scale), scale)]
 
 
 # -- ops computed on the values --------------------------------------------------------
@@ -320,7 +313,7 @@ def _rsqrt(ctx, eqn, a):
 @register("tanh", "erf", "sin")
 def _odd_bounded(ctx, eqn, a):
     """Scale `min(1, sa)`: |f(x)| <= min(1, |x|) (erf: 1.13 |x|), so small inputs keep
-    their precision. Computed on the float32 values."""
+    their precision; then `fit`. Computed on the float32 values."""
     a = scaled(a)
     scale = jnp.minimum(1.0, ctx.pow2(a.scale))
     return [as_output(ctx, eqn, eqn.bind(value(a))[0], scale)]
@@ -328,7 +321,8 @@ def _odd_bounded(ctx, eqn, a):
 
 @register("logistic", "cos")
 def _bounded(ctx, eqn, a):
-    """Scale 1: the values lie in [-1, 1]. Computed on the float32 values."""
+    """Scale 1: the values lie in [-1, 1]; then `fit`. Computed on the float32
+    values."""
     return [as_output(ctx, eqn, eqn.bind(value(a))[0], jnp.ones((), F32))]
 
 

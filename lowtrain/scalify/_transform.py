@@ -111,8 +111,8 @@ class _ScaledValues(Values):
 class _ScalifyInterpreter(Interpreter):
     values = _ScaledValues()
 
-    def __init__(self, pow2: str):
-        self.ctx = Ctx(pow2)
+    def __init__(self, pow2: str, auto_rescale: bool):
+        self.ctx = Ctx(pow2, auto_rescale)
 
     def rule(self, eqn: Eqn, *invals) -> list:
         invals = [_merged(v) for v in invals]
@@ -151,34 +151,40 @@ def _abstract(x):
 
 
 @eqx.filter_jit
-def _scalify_call(fn, pow2, args, kwargs):
+def _scalify_call(fn, pow2, auto_rescale, args, kwargs):
     call = FlatCall(fn, args, kwargs, is_leaf=is_scaled)
     closed = jax.make_jaxpr(call)(*map(_abstract, call.inputs))
-    outs = _ScalifyInterpreter(pow2).eval_jaxpr(closed, call.inputs)
+    outs = _ScalifyInterpreter(pow2, auto_rescale).eval_jaxpr(closed, call.inputs)
     return call.rebuild([_merged(v) for v in outs])
 
 
 class _Scalify(eqx.Module):
     fn: Callable
     pow2: str = eqx.field(static=True)
+    auto_rescale: bool = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        return _scalify_call(self.fn, self.pow2, args, kwargs)
+        return _scalify_call(self.fn, self.pow2, self.auto_rescale, args, kwargs)
 
 
-def scalify(fn: Callable, *, pow2: str = "down") -> Callable:
+def scalify(fn: Callable, *, pow2: str = "down", auto_rescale: bool = True) -> Callable:
     """Run `fn` with scale propagation: `ScaledArray` inputs stay scaled end to end.
 
     `fn` is traced with each `ScaledArray` input standing for a plain array of its
     data's shape and dtype; then every primitive is re-run by its scale rule
     (`lowtrain.scalify` rules: each chooses an output scale, such as
-    `sqrt(sa**2 + sb**2)` for a sum or `sa * sb * sqrt(K)` for a matmul, so the data
-    stays near unit range), including inside `jit`, `scan`, `while`, `cond`, `remat`
-    and the rules of `custom_jvp`/`custom_vjp` functions. Inputs may mix
+    `sqrt(sa**2 + sb**2)` for a sum or `sa * sb * sqrt(K)` for a matmul), including
+    inside `jit`, `scan`, `while`, `cond`, `remat` and the rules of
+    `custom_jvp`/`custom_vjp` functions. With `auto_rescale` (default), each
+    arithmetic result (sums, products, quotients, matmuls, reductions, powers,
+    roots) whose float32 data has an RMS outside `[2**-4, 2**4]` at that scale gets
+    its scale multiplied by that RMS rounded by `pow2`, so its data's RMS is ~1:
+    data stays near unit RMS, forward and backward, without `dynamic_rescale_*`
+    calls. `auto_rescale=False` keeps the static scales only. Inputs may mix
     `ScaledArray`s and plain arrays; ops on plain arrays only run as written.
     Outputs are `ScaledArray`s where scales reached them. `pow2` rounds new scales
     to powers of two ("down", "up" or "none").
@@ -204,7 +210,7 @@ def scalify(fn: Callable, *, pow2: str = "down") -> Callable:
         raise ValueError(f"Expected `pow2` in {POW2_MODES}, got {pow2!r} instead.")
     if not callable(fn):
         raise TypeError(f"Expected a function or callable module, got {fn!r} instead.")
-    return _Scalify(fn, pow2)
+    return _Scalify(fn, pow2, bool(auto_rescale))
 
 
 def register_rule(*names: str):

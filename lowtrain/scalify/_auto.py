@@ -1,0 +1,47 @@
+"""Automatic rescaling: `fit` keeps the data of arithmetic results near unit RMS.
+
+Static scale rules follow the unit-scaling variance model (a sum of N independent
+unit-RMS terms has RMS sqrt(N)); it fails for inputs that are not unit-RMS (scale-1
+weights of RMS 0.02), correlated sums (a bias gradient summed over a batch),
+cancellation (`x - mean(x)`) and `rsqrt` of a small variance, and the errors compound
+through a program and its backward pass into float16 subnormals, zeros or overflow.
+`fit` checks each arithmetic result's float32 data before it is cast.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .._eqn import Eqn
+from ._scaled_array import ScaledArray, pow2_round
+
+# `fit` leaves data whose RMS lies in [1 / BAND, BAND] at its static scale: float16
+# keeps 10 significant bits from 2**-14 to 2**15, so the band leaves room either side.
+BAND = 2.0**4
+
+
+class Ctx:
+    """What rules need besides their inputs: the power-of-two rounding mode and
+    whether `fit` rescales data that left the band (`auto`)."""
+
+    def __init__(self, pow2: str, auto: bool = True):
+        self.pow2_mode = pow2
+        self.auto = auto
+
+    def pow2(self, x):
+        return pow2_round(x, self.pow2_mode)
+
+
+def fit(ctx: Ctx, eqn: Eqn, data_f32, scale, i: int = 0) -> ScaledArray:
+    """The values `data_f32 * scale` as a ScaledArray of the output dtype. With
+    `ctx.auto`, where the RMS of the data's finite entries lies outside
+    `[1 / BAND, BAND]`, the scale becomes `scale * pow2(rms)` and the data
+    `data / pow2(rms)` (its RMS then in `[1, 2)` with "down"); otherwise, or for
+    all-zero data, `scale` stays. One fused sum of squares per output."""
+    if ctx.auto:
+        finite = jnp.where(jnp.isfinite(data_f32), data_f32, 0.0)
+        rms = jnp.sqrt(jnp.mean(jnp.square(finite)))
+        off = (rms > 0) & ((rms < 1 / BAND) | (rms > BAND))
+        factor = ctx.pow2(jnp.where(off, rms, 1.0))
+        data_f32, scale = data_f32 / factor, scale * factor
+    return ScaledArray(data_f32.astype(eqn.out_avals[i].dtype), scale)
