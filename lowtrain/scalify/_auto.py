@@ -32,7 +32,6 @@ RESCALED = frozenset(
         "reduce_sum",
         "cumsum",
         "add_any",
-        "div",
         "rsqrt",
     }
 )
