@@ -406,15 +406,22 @@ def test_recipes_gpt_grads_keep_unit_scale_at_init(pow2, getkey):
 
 
 def test_fit_rescales_only_outside_the_band():
-    # x - mean(x) of nearly equal values: the static scale (1) leaves data of RMS
-    # 2**-10.5; `fit` moves 2**-11 to the scale and the data to RMS sqrt(2).
+    # A matmul of small data: the static scale (sa * sb * sqrt(K) = 2) leaves data of
+    # RMS 2**-19 (a float16 subnormal); `fit` moves 2**-19 to the scale.
+    x = sc.ScaledArray(jnp.full((2, 4), 2.0**-10, F16), 1.0)
+    gram = lambda v: v @ v.T
+    out = sc.scalify(gram)(x)
+    assert out.data.tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    assert float(out.scale) == 2.0**-18
+    static = sc.scalify(gram, auto_rescale=False)(x)
+    assert float(static.scale) == 2.0 and float(static.data[0, 0]) == 2.0**-19
+    # Elementwise ops keep their static scales (a check would split XLA's fusions):
+    # x - mean(x) of nearly equal values stays at scale 1.
     eps = 2.0**-10
-    x = sc.ScaledArray(jnp.array([1.0, 1.0 + eps, 1.0 - eps, 1.0], F16), 1.0)
-    centred = lambda v: v - jnp.mean(v)
-    out = sc.scalify(centred)(x)
-    assert out.data.tolist() == [0.0, 2.0, -2.0, 0.0] and float(out.scale) == 2.0**-11
-    static = sc.scalify(centred, auto_rescale=False)(x)
-    assert float(static.scale) == 1.0
+    y = sc.ScaledArray(jnp.array([1.0, 1.0 + eps, 1.0 - eps, 1.0], F16), 1.0)
+    centred = sc.scalify(lambda v: v - jnp.mean(v))(y)
+    assert float(centred.scale) == 1.0
+    assert centred.data.tolist() == [0.0, eps, -eps, 0.0]
     # Inside the band nothing moves: a matmul of unit data keeps sa * sb * sqrt(K).
     y = sc.ScaledArray(jnp.ones((2, 4), F16), 4.0)
     assert float(sc.scalify(lambda a: a @ a.T)(y).scale) == 4.0 * 4.0 * 2.0

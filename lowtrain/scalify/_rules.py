@@ -7,7 +7,9 @@ scales (powers of two by default) is done in float32 and is exact.
 
 The arithmetic rules (their docstrings end "then `fit`") pick a static scale from the
 unit-scaling variance model, then `fit` (`_auto.py`) moves the scale where the float32
-data's RMS left a safe band, before the data is cast.
+data's RMS left a safe band, before the data is cast: for the primitives of
+`_auto.RESCALED` (contractions, sums, `add_any`, `div`, `rsqrt`); the elementwise
+rest keeps its static scale.
 """
 
 from __future__ import annotations
