@@ -59,8 +59,9 @@ class Report:
         """Rows from `track`'s per-tensor records; empty ones (the branches of a
         `cond` not taken) are dropped."""
         rows = []
-        for (name, prim, pass_, dtype, shape), m, c in zip(metas, moments, counts):
-            stats = finish(m, c)
+        for (name, prim, pass_, dtype, shape), stats in zip(
+            metas, finish(moments, counts)
+        ):
             if stats["size"]:
                 rows.append(
                     {"name": name, "primitive": prim, "pass": pass_, "dtype": dtype}
