@@ -18,6 +18,7 @@ import lowtrain.fp8
 
 from .helpers import (
     SGD,
+    Mse,
     Regression,
     eqns_of,
     make_data,
@@ -381,6 +382,28 @@ def test_scalify_precision_trains(compute):
     assert metrics["loss"].dtype == jnp.float32
     np.testing.assert_allclose(losses, ref_losses, rtol=0.05)
     assert losses[-1] < losses[0]
+
+
+def test_numerics_report_is_of_the_train_step_itself():
+    # grad_accum=2: the report's forward rows are of micro-batches (4 of 8 rows),
+    # and the tracked step changes nothing: the run equals one without reports.
+    runs = []
+    for every in (None, 1):
+        trainer = Mse(make_model(), SGD(0.01), grad_accum=2, numerics_every=every)
+        state = trainer.init(key=jax.random.key(0))
+        state = trainer.fit(state, make_data(), steps=2, progress=False)
+        runs.append(snapshot(state))
+    assert same_bits(*runs)
+    rows = trainer.numerics.last.rows
+    dots = [r for r in rows if r["primitive"] == "dot_general" and r["pass"] == "fwd"]
+    # (vmap puts the batch last: (out, 4))
+    assert [r["shape"] for r in dots] == [[16, 4], [2, 4]]
+    assert all(r["size"] == 2 * np.prod(r["shape"]) for r in dots)  # both micro-batches
+    # After the backward pass, the optimizer's update (the momentum: `mul`, the first
+    # layer's (16, 4) weight, once: not per micro-batch).
+    last_bwd = max(i for i, r in enumerate(rows) if r["pass"] == "bwd")
+    update = [r for r in rows[last_bwd:] if r["primitive"] == "mul"]
+    assert any(r["shape"] == [16, 4] and r["size"] == 64 for r in update)
 
 
 def test_numerics_every_records_reports(tmp_path):

@@ -86,6 +86,14 @@ def _at_least(bits: Array, lowest: int) -> Array:
     return lax.shift_right_logical(jnp.int32(lowest - 1) - bits, jnp.int32(31))
 
 
+def _ratio(x: Array, top: Array) -> Array:
+    # `x / top` for `0 <= x <= top`, `top > 0`. XLA's CPU backend divides by
+    # multiplying with the reciprocal, which is 0 (flushed) for `top >= 2**126`:
+    # both are moved by a factor of 4 towards 1 first.
+    s = jnp.where(top >= 1, np.float32(0.25), np.float32(4.0))
+    return (x * s) / (top * s)
+
+
 def empty_stats() -> tuple[Float[Array, " 2"], Int[Array, " n"]]:
     """The record of no values: `merge`'s identity."""
     return jnp.zeros(2, jnp.float32), jnp.zeros(N_COUNTS, jnp.int32)
@@ -96,7 +104,7 @@ def merge(a, b):
     (amax, asq), (bmax, bsq) = a[0], b[0]
     top = jnp.maximum(amax, bmax)
     safe = jnp.where(top > 0, top, 1.0)
-    sumsq = asq * jnp.square(amax / safe) + bsq * jnp.square(bmax / safe)
+    sumsq = asq * jnp.square(_ratio(amax, safe)) + bsq * jnp.square(_ratio(bmax, safe))
     return jnp.stack([top, sumsq]), a[1] + b[1]
 
 
@@ -105,7 +113,7 @@ def merge_stacked(moments, counts):
     moments = moments.reshape(-1, 2)
     top = jnp.max(moments[:, 0], initial=0.0)
     safe = jnp.where(top > 0, top, 1.0)
-    sumsq = jnp.sum(moments[:, 1] * jnp.square(moments[:, 0] / safe))
+    sumsq = jnp.sum(moments[:, 1] * jnp.square(_ratio(moments[:, 0], safe)))
     return jnp.stack([top, sumsq]), counts.reshape(-1, N_COUNTS).sum(0)
 
 
@@ -251,7 +259,7 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
     seg = dict(segment_ids=owner, num_segments=n, indices_are_sorted=True)
     absmax = jnp.maximum(jax.ops.segment_max(chunk_max, **seg), 0.0)
     top = jnp.where(absmax > 0, absmax, 1.0)[owner]
-    sumsq = jax.ops.segment_sum(chunk_sq * jnp.square(chunk_max / top), **seg)
+    sumsq = jax.ops.segment_sum(chunk_sq * jnp.square(_ratio(chunk_max, top)), **seg)
     flags = jax.ops.segment_sum(chunk_counts, **seg)
     k = len(FORMATS)
     counted, kept = flags[:, :1], flags[:, 1 : 1 + k]

@@ -48,6 +48,7 @@ def _name_stacks(closed, out: dict) -> dict:
 # Ops that only move values: their statistics are their input's, so no row.
 _LAYOUT = frozenset(
     {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy"}
+    | {"sharding_constraint", "reshard", "device_put"}
 )
 
 

@@ -9,13 +9,15 @@ import pathlib
 import jax
 
 from .. import numerics
-from .._loss_scale import scaled_value_and_grad
 
 
 class NumericsRecorder:
-    """Records a `lowtrain.numerics.Report` of the loss and gradients of the batch
-    about to be trained on, when `state.step % every == 0` (so at the first step of a
-    run too), before the update; `every=None` never does.
+    """Records a `lowtrain.numerics.Report` of the train step on the batch about to
+    be trained on, when `state.step % every == 0` (so at the first step of a run
+    too), before the update; `every=None` never does. The step tracked is the
+    Trainer's own `train_step` (forward, backward, optimizer update: the update's
+    rows have `pass` "fwd"), run a second time on the same state and batch, whose
+    result is dropped: the state trained on is the untracked step's.
 
     Each report is kept as `last` (with its step as `last_step`) and, when
     `Trainer.fit` has a `metrics_file`, appended to `numerics.jsonl` in its folder
@@ -62,17 +64,11 @@ class NumericsRecorder:
         self._tracked = None
 
     def _build(self, trainer):
-        p = trainer.precision
-        value_and_grad = scaled_value_and_grad(trainer._loss_with_aux, has_aux=True)
-
-        def loss_and_grads(batch, state):  # what the train step computes first
-            key = jax.random.fold_in(state.key, state.step)
-            ((loss, _), grads), _, _ = value_and_grad(
-                state.loss_scale, state.model, p.inputs(batch), key=key
-            )
-            return grads, {"loss": loss}
-
-        return numerics.track(p.wrap_step(loss_and_grads))
+        # The Trainer's own step (`train_step` under the precision's `wrap_step`), so
+        # the report is of what training computes: gradient accumulation, sharding,
+        # loss scaling and redo included, and the optimizer's update.
+        step = lambda batch, state: trainer.train_step(state, batch)  # noqa: E731
+        return numerics.track(trainer.precision.wrap_step(step))
 
     def maybe_record(self, trainer, state, batch, step: int, metrics_file) -> None:
         """Record a report if `step % every == 0` (see the class docstring)."""
