@@ -12,12 +12,12 @@ from .. import numerics
 
 
 class NumericsRecorder:
-    """Records a `lowtrain.numerics.Report` of the train step on the batch about to
-    be trained on, when `state.step % every == 0` (so at the first step of a run
-    too), before the update; `every=None` never does. The step tracked is the
-    Trainer's own `train_step` (forward, backward, optimizer update: the update's
-    rows have `pass` "fwd"), run a second time on the same state and batch, whose
-    result is dropped: the state trained on is the untracked step's.
+    """Records a `lowtrain.numerics.Report` of the loss and gradients of the batch
+    about to be trained on, when `state.step % every == 0` (so at the first step of a
+    run too), before the update; `every=None` never does. What is tracked is the
+    Trainer's own step up to its gradients (gradient accumulation, sharding, loss
+    scaling and redo as configured), run a second time on the same state and batch;
+    its result is dropped.
 
     Each report is kept as `last` (with its step as `last_step`) and, when
     `Trainer.fit` has a `metrics_file`, appended to `numerics.jsonl` in its folder
@@ -64,11 +64,13 @@ class NumericsRecorder:
         self._tracked = None
 
     def _build(self, trainer):
-        # The Trainer's own step (`train_step` under the precision's `wrap_step`), so
-        # the report is of what training computes: gradient accumulation, sharding,
-        # loss scaling and redo included, and the optimizer's update.
-        step = lambda batch, state: trainer.train_step(state, batch)  # noqa: E731
-        return numerics.track(trainer.precision.wrap_step(step))
+        # What the Trainer's own step computes up to the gradients (gradient
+        # accumulation, sharding, loss scaling and redo included).
+        def loss_and_grads(batch, state):
+            ((loss, _), grads, _), _, _ = trainer._loss_and_grads(state, batch)
+            return grads, {"loss": loss}
+
+        return numerics.track(trainer.precision.wrap_step(loss_and_grads))
 
     def maybe_record(self, trainer, state, batch, step: int, metrics_file) -> None:
         """Record a report if `step % every == 0` (see the class docstring)."""

@@ -172,17 +172,8 @@ class Trainer:
         The precision's hooks run in the order `Precision` lists them.
         """
         p = self.precision
-        value_and_grad = accumulated_value_and_grad(
-            self._loss_with_aux,
-            p,
-            grad_accum=self.grad_accum,
-            redo_on_nan=self.redo_on_nan,
-            mesh=self.mesh,
-            sharding=self.sharding,
-        )
-        key = jax.random.fold_in(state.key, state.step)
-        ((loss, aux), grads, extra), loss_scale, finite = value_and_grad(
-            state.loss_scale, state.model, p.inputs(batch), key=key
+        ((loss, aux), grads, extra), loss_scale, finite = self._loss_and_grads(
+            state, batch
         )
         params = eqx.filter(state.model, eqx.is_inexact_array)
         updates, opt_state = self.optimizer.update(
@@ -243,6 +234,20 @@ class Trainer:
         (`jax.make_array_from_process_local_data`).
         """
         return shard_batch(self.devices, self.mesh, batch)
+
+    def _loss_and_grads(self, state: TrainState, batch: PyTree):
+        # `train_step` up to the gradients (also what `numerics_every` reports).
+        value_and_grad = accumulated_value_and_grad(
+            self._loss_with_aux,
+            self.precision,
+            grad_accum=self.grad_accum,
+            redo_on_nan=self.redo_on_nan,
+            mesh=self.mesh,
+            sharding=self.sharding,
+        )
+        key = jax.random.fold_in(state.key, state.step)
+        batch = self.precision.inputs(batch)
+        return value_and_grad(state.loss_scale, state.model, batch, key=key)
 
     def _loss_with_aux(self, model, batch, *, key):
         out = self.loss(self.precision.wrap_model(model), batch, key=key)
