@@ -54,7 +54,8 @@ def fit(ctx: Ctx, eqn: Eqn, data_f32, scale, i: int = 0) -> ScaledArray:
     `ctx.auto` and a primitive in `RESCALED`, where the RMS of the data's finite
     entries lies outside `[1 / BAND, BAND]`, the scale becomes `scale * pow2(rms)`
     and the data `data / pow2(rms)` (its RMS then in `[1, 2)` with "down");
-    otherwise, or for all-zero data, `scale` stays. One fused sum of squares per output."""
+    otherwise, or for all-zero data, `scale` stays. One fused sum of squares per
+    output."""
     if ctx.auto and eqn.primitive.name in RESCALED:
         finite = jnp.where(jnp.isfinite(data_f32), data_f32, 0.0)
         rms = jnp.sqrt(jnp.mean(jnp.square(finite)))
