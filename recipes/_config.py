@@ -89,6 +89,7 @@ class NaiveFp8PrecisionConfig:
     name: str = MISSING
     _target_: str = "lowtrain.recipes.precisions.naive_fp8"
     policy: str = "bf16"  # everything but the FP8-rounded matmul operands
+    weights_only: bool = False  # True: attention's activation products not in FP8
 
 
 @dataclass

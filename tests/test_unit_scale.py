@@ -147,6 +147,27 @@ def test_simulate_fp8_casts_every_matmul(getkey):
     assert {"float8_e4m3fn", "float8_e5m2"} <= casts
 
 
+def test_simulate_fp8_weights_only_leaves_attention_products():
+    # Attention's q @ k.T and p @ v (two activations, rank 3) stay as they are; the
+    # matmul with a weight (rank 2) is cast.
+    q = jnp.full((2, 4, 8), 2.0**-12)  # below E4M3's 2**-10: cast, it is 0
+    w = jnp.ones((8, 8))
+
+    def attention_and_projection(q, w):
+        scores = jnp.einsum("bqd,bkd->bqk", q, q)  # 8 * 2**-24
+        return scores, q @ w
+
+    scores, proj = uu.simulate_fp8(attention_and_projection, weights_only=True)(q, w)
+    np.testing.assert_array_equal(scores, 8 * 2.0**-24)
+    np.testing.assert_array_equal(proj, 0.0)
+    scores, _ = uu.simulate_fp8(attention_and_projection)(q, w)
+    np.testing.assert_array_equal(scores, 0.0)
+    fn = lambda q: uu.simulate_fp8(attention_and_projection, weights_only=True)(q, w)
+    eqns = iter_eqns(jax.make_jaxpr(fn)(q))
+    fp8 = [e for e in eqns if str(e.params.get("new_dtype")) == "float8_e4m3fn"]
+    assert len(fp8) == 2  # the projection's two operands only
+
+
 def test_unit_scaling_rescues_plain_fp8():
     # Plain FP8 casts (scale 1) of a standard net: its tensors leave E4M3/E5M2's
     # range (N(0, 1) weights grow them, a GPT-style 0.02 init shrinks them) and the

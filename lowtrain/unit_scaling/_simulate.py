@@ -59,12 +59,25 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     return run(lhs, rhs)
 
 
-def simulate_fp8(fn: Callable) -> Callable:
+def fp8_weight_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
+    """`fp8_cast_op(op, lhs, rhs)` where an operand is a weight (rank 2 or less: a
+    layer's matrix), else `op(lhs, rhs)` as it is: the products of two activations,
+    attention's `q @ k.T` and `p @ v` (both of rank 3 or more), stay in the caller's
+    precision, as FP8 training practice keeps them (their probabilities and scores
+    are not unit-scaled: most of a softmax's outputs are far below 1)."""
+    if min(jax.numpy.ndim(lhs), jax.numpy.ndim(rhs)) <= 2:
+        return fp8_cast_op(op, lhs, rhs)
+    return op(lhs, rhs)
+
+
+def simulate_fp8(fn: Callable, *, weights_only: bool = False) -> Callable:
     """`fn` with every matmul and convolution through FP8 by a plain cast: operands
     to E4M3 forward, the cotangent to E5M2 backward, scale 1, saturating
     (`fp8_cast_op` on each `dot_general` and `conv_general_dilated`, by
     `lowtrain.rewrite`). What unit scaling makes safe: compose as
     `simulate_fp8(unit_scale(model))`, then `lowtrain.amp` around it for the rest.
+    With `weights_only`, only the matmuls with a weight operand (`fp8_weight_cast_op`:
+    attention's two products of activations stay as they are).
 
     ```python
     import jax
@@ -78,4 +91,5 @@ def simulate_fp8(fn: Callable) -> Callable:
     assert float(jnp.abs(g).max()) == 0.0  # 1e-6 is below E5M2's smallest subnormal
     ```
     """
-    return rewrite(fn, dict.fromkeys(MATMULS, fp8_cast_op))
+    rule = fp8_weight_cast_op if weights_only else fp8_cast_op
+    return rewrite(fn, dict.fromkeys(MATMULS, rule))
