@@ -26,10 +26,11 @@ import pathlib
 import subprocess
 import sys
 
-# Learning-rate grids: 5 points, factor 2 apart, around each recipe's default
-# (gpt: 2e-3, gpt_unit: 2; at width 128 and 500 steps u-μP's 4 was worse than 2).
+# Learning-rate grids, factor 2 apart, around each recipe's default (gpt: 2e-3,
+# gpt_unit: 2; at width 128 and 500 steps u-μP's 4 was worse than 2). The standard
+# one has a sixth point, 1.6e-2, because width 64's best was its largest, 8e-3.
 GRIDS = {
-    "standard": ("gpt", [2e-3 * 2.0**k for k in range(-2, 3)]),
+    "standard": ("gpt", [2e-3 * 2.0**k for k in range(-2, 4)]),
     "u-μP": ("gpt_unit", [2.0**k for k in range(-2, 3)]),
 }
 
@@ -64,11 +65,11 @@ def run(out, name, recipe, width, lr, steps) -> None:
 
 
 def val_loss(out, name, width, lr) -> float | None:
-    """The run's final validation loss; inf if it failed or diverged (a log but
-    no summary), None if it was not run."""
+    """The run's final validation loss; inf if it diverged (not finite), NaN if it
+    failed or is still running (a log but no summary), None if it was not run."""
     summary = run_dir(out, name, width, lr) / "summary.json"
     if not summary.exists():
-        return math.inf if (out / f"{summary.parent.name}.log").exists() else None
+        return math.nan if (out / f"{summary.parent.name}.log").exists() else None
     value = json.loads(summary.read_text())["final"]["val_loss"]
     return value if math.isfinite(value) else math.inf
 
@@ -84,11 +85,13 @@ def table(results: dict, widths: list[int]) -> str:
         ]
         for w in widths:
             row = [results[name][w][lr] for lr in lrs]
-            ran = [i for i, v in enumerate(row) if v is not None]
+            ran = [i for i, v in enumerate(row) if v is not None and not math.isnan(v)]
             best = min(ran, key=row.__getitem__) if ran else None
             cells = [
                 "not run"
                 if v is None
+                else "failed"
+                if math.isnan(v)
                 else ("**{:.4f}**" if i == best else "{:.4f}").format(v)
                 if math.isfinite(v)
                 else "diverged"
@@ -110,6 +113,7 @@ def plot(results: dict, widths: list[int], path: pathlib.Path) -> None:
         ax = fig.add_subplot(1, len(GRIDS), i + 1)
         for w in widths:
             done = [lr for lr in lrs if results[name][w][lr] is not None]
+            done = [lr for lr in done if not math.isnan(results[name][w][lr])]
             if done:  # a diverged run is drawn as a gap (inf)
                 ys = [results[name][w][lr] for lr in done]
                 ax.plot(done, ys, marker="o", label=f"{w}")
