@@ -1,6 +1,6 @@
 """Where the unit-scaled GPT's plain FP8 cast loses precision after some training.
 
-Takes a `gpt_unit` run trained in float32 (by default the learning-rate sweep's
+Takes a `gpt_unit` run (any precision; by default one trained in float32, the learning-rate sweep's
 width-128, lr-2 run: `python scripts/lr_transfer.py --only u-μP --widths 128 --lrs 2`,
 500 steps), copies it, resumes the copy for one step under `recipe=gpt_unit_fp8` with
 `trainer.numerics_every` set to the checkpoint's step, and prints the tensors that are
@@ -57,7 +57,10 @@ def main() -> None:
     fp8 = json.loads((args.out / "summary.json").read_text())["final"]["val_loss"]
     record = json.loads((args.out / "numerics.jsonl").read_text().splitlines()[-1])
     report = Report(record["rows"])
-    print(f"float32 run, step {steps}: val loss {summary['final']['val_loss']:.4f}")
+    precision = summary["precision"]
+    print(
+        f"the {precision} run, step {steps}: val loss {summary['final']['val_loss']:.4f}"
+    )
     print(f"one FP8 step later (eval in FP8): val loss {fp8:.4f}\n")
     print("| pass | zero | rms | absmax | shape | tensor (cast to FP8) |")
     print("|---|---:|---:|---:|---|---|")
