@@ -1,6 +1,6 @@
 """Where the unit-scaled GPT's plain FP8 cast loses precision after some training.
 
-Takes a `gpt_unit` run (any precision; by default one trained in float32, the learning-rate sweep's
+Takes a `gpt_unit` run (any precision; by default the learning-rate sweep's float32
 width-128, lr-2 run: `python scripts/lr_transfer.py --only u-μP --widths 128 --lrs 2`,
 500 steps), copies it, resumes the copy for one step under `recipe=gpt_unit_fp8` with
 `trainer.numerics_every` set to the checkpoint's step, and prints the tensors that are
@@ -58,9 +58,8 @@ def main() -> None:
     record = json.loads((args.out / "numerics.jsonl").read_text().splitlines()[-1])
     report = Report(record["rows"])
     precision = summary["precision"]
-    print(
-        f"the {precision} run, step {steps}: val loss {summary['final']['val_loss']:.4f}"
-    )
+    loss = summary["final"]["val_loss"]
+    print(f"the {precision} run, step {steps}: val loss {loss:.4f}")
     print(f"one FP8 step later (eval in FP8): val loss {fp8:.4f}\n")
     print("| pass | zero | rms | absmax | shape | tensor (cast to FP8) |")
     print("|---|---:|---:|---:|---|---|")

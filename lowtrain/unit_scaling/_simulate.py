@@ -64,7 +64,18 @@ def fp8_weight_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     layer's matrix), else `op(lhs, rhs)` as it is: the products of two activations,
     attention's `q @ k.T` and `p @ v` (both of rank 3 or more), stay in the caller's
     precision, as FP8 training practice keeps them (their probabilities and scores
-    are not unit-scaled: most of a softmax's outputs are far below 1)."""
+    are not unit-scaled: most of a softmax's outputs are far below 1).
+
+    ```python
+    import jax.numpy as jnp
+    from lowtrain.unit_scaling import fp8_weight_cast_op
+
+    x, w = jnp.full((2, 3, 4), 1e-4), jnp.ones((4, 2))  # 1e-4: 0 in E4M3
+    assert float(fp8_weight_cast_op(jnp.matmul, x, w).max()) == 0.0  # cast
+    scores = fp8_weight_cast_op(jnp.matmul, x, x.transpose(0, 2, 1))  # kept
+    assert abs(float(scores[0, 0, 0]) - 4e-8) < 1e-13  # not flushed
+    ```
+    """
     if min(jax.numpy.ndim(lhs), jax.numpy.ndim(rhs)) <= 2:
         return fp8_cast_op(op, lhs, rhs)
     return op(lhs, rhs)
