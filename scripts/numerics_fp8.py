@@ -112,10 +112,12 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, default="outputs/numerics")
     parser.add_argument("--plots", type=pathlib.Path, default=None)
     parser.add_argument("--no-run", action="store_true", help="read existing runs")
-    parser.add_argument("--only", nargs="*", default=list(RUNS), help="runs to make")
+    parser.add_argument(
+        "--only", nargs="*", default=list(RUNS), help="runs to make and read"
+    )
     args = parser.parse_args()
-    for name in RUNS:
-        if not args.no_run and name in args.only:
+    for name in args.only:
+        if not args.no_run:
             run(name, args.steps, args.every, args.out)
         path = args.out / name / "numerics.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines()]
