@@ -16,8 +16,8 @@ import lowtrain
 from lowtrain.fp8 import E4M3, E5M2
 from lowtrain.scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
 from lowtrain.train import Amp, Chain, Precision, Rewrite, Scalify
-from lowtrain.unit_scaling import MATMULS, fp8_weight_cast_op
-from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op
+from lowtrain.unit_scaling import MATMULS, fp8_cast_rules
+from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op  # noqa: F401 (the rule)
 
 from ._config import LossScale
 
@@ -57,15 +57,15 @@ def amp(
 
 def naive_fp8(policy: str = "bf16", weights_only: bool = False) -> Precision:
     """Every matmul through `naive_fp8` (FP8 with scale 1), then AMP under `policy`;
-    with `weights_only`, only those with a weight operand (`fp8_weight_cast_op`)."""
+    with `weights_only`, of the `dot_general`s only those with a weight operand
+    (`lowtrain.unit_scaling.fp8_cast_rules`)."""
     if lowtrain.get_policy(policy) == lowtrain.get_policy("fp8"):
         raise ValueError(
             "Expected a policy that leaves matmuls alone (e.g. bf16) for the naive "
             f"FP8 baseline, got {policy!r} instead, which would quantize them twice. "
             "Use `precision=fp8_naive precision.policy=bf16`."
         )
-    rules = dict.fromkeys(MATMULS, fp8_weight_cast_op if weights_only else naive_fp8_op)
-    return Chain(Rewrite(rules), amp(policy))
+    return Chain(Rewrite(fp8_cast_rules(weights_only)), amp(policy))
 
 
 def scalify(policy: str = "p=f32,c=f16", fp8: bool = False) -> Precision:

@@ -166,6 +166,11 @@ def test_simulate_fp8_weights_only_leaves_attention_products():
     eqns = iter_eqns(jax.make_jaxpr(fn)(q))
     fp8 = [e for e in eqns if str(e.params.get("new_dtype")) == "float8_e4m3fn"]
     assert len(fp8) == 2  # the projection's two operands only
+    # A convolution's kernel is a weight: cast with weights_only too.
+    conv = lambda x, k: jax.lax.conv(x, k, (1, 1), "SAME")  # noqa: E731
+    x, k = jnp.full((1, 1, 4, 4), 2.0**-12), jnp.ones((1, 1, 3, 3))
+    np.testing.assert_array_equal(uu.simulate_fp8(conv, weights_only=True)(x, k), 0.0)
+    np.testing.assert_array_equal(conv(x, k)[0, 0, 1, 1], 9 * 2.0**-12)
 
 
 def test_unit_scaling_rescues_plain_fp8():

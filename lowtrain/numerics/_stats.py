@@ -229,10 +229,13 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
     # Groups of consecutive tensors of up to GROUP values, concatenated (a tensor
     # of GROUP values or more alone, not copied).
     groups: list[list[int]] = [[]]
+    filled = 0  # values in the last group
     for i, s in enumerate(sizes):
-        if groups[-1] and sum(sizes[j] for j in groups[-1]) + s > GROUP:
+        if groups[-1] and filled + s > GROUP:
             groups.append([])
+            filled = 0
         groups[-1].append(i)
+        filled += s
     parts = [
         _padded(xs[g[0]])
         if len(g) == 1

@@ -29,6 +29,7 @@ from ._residual import (
 )
 from ._simulate import MATMULS as MATMULS
 from ._simulate import fp8_cast_op as fp8_cast_op
+from ._simulate import fp8_cast_rules as fp8_cast_rules
 from ._simulate import fp8_weight_cast_op as fp8_weight_cast_op
 from ._simulate import simulate_fp8 as simulate_fp8
 from ._transform import unit_scale as unit_scale

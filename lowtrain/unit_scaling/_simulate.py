@@ -60,11 +60,13 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
 
 
 def fp8_weight_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
-    """`fp8_cast_op(op, lhs, rhs)` where an operand is a weight (rank 2 or less: a
-    layer's matrix), else `op(lhs, rhs)` as it is: the products of two activations,
-    attention's `q @ k.T` and `p @ v` (both of rank 3 or more), stay in the caller's
-    precision, as FP8 training practice keeps them (their probabilities and scores
-    are not unit-scaled: most of a softmax's outputs are far below 1).
+    """For a `dot_general`: `fp8_cast_op(op, lhs, rhs)` where an operand is a weight
+    (rank 2 or less: a layer's matrix), else `op(lhs, rhs)` as it is: the products of
+    two activations, attention's `q @ k.T` and `p @ v` (both of rank 3 or more), stay
+    in the caller's precision, as FP8 training practice keeps them (their
+    probabilities and scores are not unit-scaled: most of a softmax's outputs are far
+    below 1). Not for convolutions, whose kernels have rank 3 or more: see
+    `fp8_cast_rules`.
 
     ```python
     import jax.numpy as jnp
@@ -81,6 +83,26 @@ def fp8_weight_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     return op(lhs, rhs)
 
 
+def fp8_cast_rules(weights_only: bool = False) -> dict[str, Callable]:
+    """The `lowtrain.rewrite` rules of `simulate_fp8`: `fp8_cast_op` for every
+    `dot_general` and `conv_general_dilated`; with `weights_only`, the
+    `dot_general`s through `fp8_weight_cast_op` (convolutions are always cast: their
+    kernel is a weight).
+
+    ```python
+    import lowtrain.unit_scaling as uu
+
+    rules = uu.fp8_cast_rules(weights_only=True)
+    assert rules["dot_general"] is uu.fp8_weight_cast_op
+    assert rules["conv_general_dilated"] is uu.fp8_cast_op
+    ```
+    """
+    rules = dict.fromkeys(MATMULS, fp8_cast_op)
+    if weights_only:
+        rules["dot_general"] = fp8_weight_cast_op
+    return rules
+
+
 def simulate_fp8(fn: Callable, *, weights_only: bool = False) -> Callable:
     """`fn` with every matmul and convolution through FP8 by a plain cast: operands
     to E4M3 forward, the cotangent to E5M2 backward, scale 1, saturating
@@ -88,7 +110,7 @@ def simulate_fp8(fn: Callable, *, weights_only: bool = False) -> Callable:
     `lowtrain.rewrite`). What unit scaling makes safe: compose as
     `simulate_fp8(unit_scale(model))`, then `lowtrain.amp` around it for the rest.
     With `weights_only`, only the matmuls with a weight operand (`fp8_weight_cast_op`:
-    attention's two products of activations stay as they are).
+    attention's two products of activations stay as they are; `fp8_cast_rules`).
 
     ```python
     import jax
@@ -102,5 +124,4 @@ def simulate_fp8(fn: Callable, *, weights_only: bool = False) -> Callable:
     assert float(jnp.abs(g).max()) == 0.0  # 1e-6 is below E5M2's smallest subnormal
     ```
     """
-    rule = fp8_weight_cast_op if weights_only else fp8_cast_op
-    return rewrite(fn, dict.fromkeys(MATMULS, rule))
+    return rewrite(fn, fp8_cast_rules(weights_only))
