@@ -10,6 +10,7 @@ import jax
 
 from ._eqn import Eqn, is_float
 from ._interpret import FlatCall, Interpreter
+from ._scopes import match_scope
 
 # A rewrite rule: `rule(op, *operands, **params) -> output`, where `op(*operands)` runs
 # the original primitive with its original parameters.
@@ -17,11 +18,13 @@ Rule = Callable[..., Any]
 
 
 class _RewriteInterpreter(Interpreter):
-    def __init__(self, rules: Mapping[str, Rule]):
+    def __init__(self, rules, scopes):
         self.rules = dict(rules)
+        self.scopes = tuple((name, dict(table)) for name, table in scopes)
 
     def rule(self, eqn: Eqn, *invals) -> list:
-        fn = self.rules.get(eqn.primitive.name)
+        rules = match_scope(self.scopes, eqn.scopes, self.rules)
+        fn = rules.get(eqn.primitive.name)
         if fn is None:
             return eqn.bind(*invals)
 
@@ -42,27 +45,50 @@ class _RewriteInterpreter(Interpreter):
 
 
 @eqx.filter_jit
-def _rewrite_call(fn, rules, args, kwargs):
+def _rewrite_call(fn, rules, scopes, args, kwargs):
     call = FlatCall(fn, args, kwargs)
     closed = jax.make_jaxpr(call)(*call.inputs)
     return call.rebuild(
-        _RewriteInterpreter(dict(rules)).eval_jaxpr(closed, call.inputs)
+        _RewriteInterpreter(rules, scopes).eval_jaxpr(closed, call.inputs)
     )
 
 
 class _Rewrite(eqx.Module):
     fn: Callable
     rules: tuple[tuple[str, Rule], ...] = eqx.field(static=True)
+    scopes: tuple[tuple[str, tuple[tuple[str, Rule], ...]], ...] = eqx.field(
+        static=True, default=()
+    )
 
     @property
     def __wrapped__(self):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        return _rewrite_call(self.fn, self.rules, args, kwargs)
+        return _rewrite_call(self.fn, self.rules, self.scopes, args, kwargs)
 
 
-def rewrite(fn: Callable, rules: Mapping[str, Rule]) -> Callable:
+def _check_rules(rules, what: str) -> tuple[tuple[str, Rule], ...]:
+    if not isinstance(rules, Mapping):
+        raise TypeError(
+            f"Expected {what} as a mapping from primitive names to functions, e.g. "
+            f"{{'dot_general': my_dot}}, got {type(rules).__name__} instead."
+        )
+    for name, rule in rules.items():
+        if not isinstance(name, str) or not callable(rule):
+            raise TypeError(
+                f"Expected {what} to map primitive names (str) to functions "
+                f"`rule(op, *operands)`, got {name!r}: {rule!r} instead."
+            )
+    return tuple(sorted(rules.items()))
+
+
+def rewrite(
+    fn: Callable,
+    rules: Mapping[str, Rule],
+    *,
+    scopes: Mapping[str, Mapping[str, Rule]] | None = None,
+) -> Callable:
     """`fn` with every equation of the primitives named in `rules` replaced.
 
     `fn` is traced at the types it is called with; each equation whose primitive is
@@ -70,7 +96,10 @@ def rewrite(fn: Callable, rules: Mapping[str, Rule]) -> Callable:
     `rules[name](op, *operands)` instead, where `op(*operands)` is the original
     operation with its original parameters; every other equation runs as written,
     inside `jit`, `scan`, `while`, `cond`, `remat` and `custom_jvp`/`custom_vjp` too.
-    A rule returns what `op` would (same shape and dtype). Nothing else changes:
+    A rule returns what `op` would (same shape and dtype). `scopes` maps a
+    `jax.named_scope` name (or glob, matched as `lowtrain.amp`'s scope rules are:
+    the outermost matching scope wins) to the rules used inside it instead of
+    `rules`; `{}` leaves that scope as written. Nothing else changes:
     `jax.grad` differentiates the rewritten program, so a rule may carry its own
     `jax.custom_vjp`, and the result composes with `lowtrain.amp` (rewrite first:
     `amp(rewrite(model, rules), policy)` sees the rules' ops in the program it casts).
@@ -94,19 +123,25 @@ def rewrite(fn: Callable, rules: Mapping[str, Rule]) -> Callable:
     x, w = jnp.full((2, 3), 1 + 2**-12), jnp.ones((3, 4))
     assert g(x, w).dtype == jnp.float32
     assert jnp.array_equal(g(x, w), jnp.tanh(jnp.full((2, 4), 3.0)))
+
+    def head(x, w):
+        with jax.named_scope("head"):  # left as written
+            return x @ w
+
+    h = lowtrain.rewrite(head, {"dot_general": round_operands}, scopes={"head": {}})
+    assert float(h(x, w)[0, 0]) == 3 * (1 + 2**-12)
     ```
     """
     if not callable(fn):
         raise TypeError(f"Expected a function or callable module, got {fn!r} instead.")
-    if not isinstance(rules, Mapping):
+    if scopes is not None and not isinstance(scopes, Mapping):
         raise TypeError(
-            "Expected `rules` as a mapping from primitive names to functions, e.g. "
-            f"{{'dot_general': my_dot}}, got {type(rules).__name__} instead."
+            "Expected `scopes` as a mapping from `jax.named_scope` names (or globs) "
+            f"to rule mappings, e.g. {{'head': {{}}}}, got {type(scopes).__name__} "
+            "instead."
         )
-    for name, rule in rules.items():
-        if not isinstance(name, str) or not callable(rule):
-            raise TypeError(
-                "Expected `rules` to map primitive names (str) to functions "
-                f"`rule(op, *operands)`, got {name!r}: {rule!r} instead."
-            )
-    return _Rewrite(fn, tuple(sorted(rules.items())))
+    scoped = tuple(
+        (name, _check_rules(table, f"`scopes[{name!r}]`"))
+        for name, table in (scopes or {}).items()
+    )
+    return _Rewrite(fn, _check_rules(rules, "`rules`"), scoped)

@@ -90,6 +90,8 @@ class NaiveFp8PrecisionConfig:
     _target_: str = "lowtrain.recipes.precisions.naive_fp8"
     policy: str = "bf16"  # everything but the FP8-rounded matmul operands
     weights_only: bool = False  # True: attention's activation products not in FP8
+    # matmuls in these named scopes stay in `policy` (e.g. [linear_2, projection])
+    keep: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -10,6 +10,8 @@ FP8 path out of models written in plain JAX.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from jaxtyping import Array
 
 import lowtrain
@@ -55,17 +57,26 @@ def amp(
     return Amp(policy, loss_scale=scale)
 
 
-def naive_fp8(policy: str = "bf16", weights_only: bool = False) -> Precision:
+def naive_fp8(
+    policy: str = "bf16", weights_only: bool = False, keep: Sequence[str] = ()
+) -> Precision:
     """Every matmul through `naive_fp8` (FP8 with scale 1), then AMP under `policy`;
     with `weights_only`, of the `dot_general`s only those with a weight operand
-    (`lowtrain.unit_scaling.fp8_cast_rules`)."""
+    (`lowtrain.unit_scaling.fp8_cast_rules`); the matmuls inside the named scopes
+    in `keep` stay as `policy` has them (as `uu.simulate_fp8(..., keep=keep)`)."""
     if lowtrain.get_policy(policy) == lowtrain.get_policy("fp8"):
         raise ValueError(
             "Expected a policy that leaves matmuls alone (e.g. bf16) for the naive "
             f"FP8 baseline, got {policy!r} instead, which would quantize them twice. "
             "Use `precision=fp8_naive precision.policy=bf16`."
         )
-    return Chain(Rewrite(fp8_cast_rules(weights_only)), amp(policy))
+    if isinstance(keep, str):
+        raise TypeError(
+            f"Expected `keep` as a list of scope names, e.g. [linear_2, projection], "
+            f"got the string {keep!r} instead."
+        )
+    scopes = {name: {} for name in keep}
+    return Chain(Rewrite(fp8_cast_rules(weights_only), scopes), amp(policy))
 
 
 def scalify(policy: str = "p=f32,c=f16", fp8: bool = False) -> Precision:

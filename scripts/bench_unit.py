@@ -26,6 +26,7 @@ weights of GELU), so only the ratio within a pair is a cost of unit scaling.
 
     python scripts/bench_unit.py              # 200 timed steps per variant
     python scripts/bench_unit.py --steps 40   # a quick look
+    python scripts/bench_unit.py --ablation   # the modules pair, one part at a time
 """
 
 from __future__ import annotations
@@ -77,6 +78,44 @@ def plain_decoder_loss(model: uu.TransformerDecoder, x, y) -> jax.Array:
     return models.cross_entropy(logits, y)
 
 
+def ablation_loss(part: str):
+    """`plain_decoder_loss` with one part of the unit-scaled model put back (`part`):
+    `residual` (`U.residual_apply` with the model's `tau`s), `residual_jax` (the same
+    forward `tau * f(x) / d + x / d` written in plain JAX, no `scale_fwd`/`scale_bwd`:
+    its gradients are the true ones), `norm` (`U.rms_norm`), `mhsa` and `mlp` (the
+    `uu` modules), `head` (`U.embedding`, the `LinearReadout`, `U.cross_entropy`)."""
+    norm = U.rms_norm if part == "norm" else _rms_norm
+
+    def residual(f, h, tau):
+        if part == "residual":
+            return U.residual_apply(f, h, tau)
+        if part == "residual_jax":
+            d = (1 + tau**2) ** 0.5
+            return tau / d * f(h) + h / d
+        return h + f(h)
+
+    def layer_fn(layer, h):
+        mhsa, mlp = layer.mhsa, layer.mlp
+        attn = mhsa if part == "mhsa" else lambda z: _plain_attention(mhsa, z)
+        ffn = mlp if part == "mlp" else lambda z: _plain_mlp(mlp, z)
+        h = residual(lambda z: attn(norm(z)), h, layer.mhsa_tau)
+        return residual(lambda z: ffn(norm(z)), h, layer.mlp_tau)
+
+    def loss(model, x, y):
+        table = model.embedding.weight
+        h = U.embedding(x, table) if part == "head" else table[x]
+        for layer in model.layers.layers:
+            h = layer_fn(layer, h)
+        if part == "head":
+            return U.cross_entropy(model.projection(norm(h)), y)
+        return models.cross_entropy(norm(h) @ model.projection.weight.T, y)
+
+    return loss
+
+
+ABLATION = ("residual", "residual_jax", "norm", "mhsa", "mlp", "head")
+
+
 def unit_decoder_loss(model: uu.TransformerDecoder, x, y) -> jax.Array:
     """The recipes' loss of `model=gpt_unit` (`UnitGptTrainer`)."""
     return U.cross_entropy(model(x), y)
@@ -98,10 +137,38 @@ def pairs(key: jax.Array) -> dict[str, tuple[eqx.Module, dict]]:
     }
 
 
+def ablation(steps: int, warmup: int, batch) -> None:
+    """The `modules` pair taken apart: the plain twin with one unit-scaled part at a
+    time, each against the plain twin, interleaved in one process."""
+    unit, _ = pairs(jax.random.key(0))["modules"]
+    losses = {"plain": plain_decoder_loss}
+    losses.update({part: ablation_loss(part) for part in ABLATION})
+    losses["unit"] = unit_decoder_loss
+    optimizer = optax.adam(1e-3)
+    state = (unit, optimizer.init(eqx.filter(unit, eqx.is_inexact_array)))
+    fns = {k: eqx.filter_jit(timing.make_step(f, optimizer)) for k, f in losses.items()}
+    states = dict.fromkeys(fns, state)
+    times, _ = timing.interleaved(
+        fns, states, batch, steps=steps, round_len=ROUND, warmup=warmup
+    )
+    plain = timing.median_iqr(times["plain"])[0]
+    print("| plain twin with | step (ms) | / plain twin |")
+    print("|---|---:|---:|")
+    for name, t in times.items():
+        median, iqr = timing.median_iqr(t)
+        ratio = median / plain
+        print(f"| {name} | {1e3 * median:.2f} ± {5e2 * iqr:.2f} | **{ratio:.3f}** |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="time the plain twin with one unit-scaled part at a time instead",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     print(f"Machine: {report.machine()}", flush=True)
@@ -109,6 +176,10 @@ def main() -> None:
         jax.random.key(1), (BATCH, C.block_size + 1), 0, models.GPT_VOCAB
     )
     batch = (stream[:, :-1], stream[:, 1:])
+    if args.ablation:
+        ablation(args.steps, args.warmup, batch)
+        print(f"\nTotal benchmark time: {time.perf_counter() - start:.0f} s")
+        return
     optimizer = optax.adam(1e-3)
     fns, states = {}, {}
     for pair, (model, losses) in pairs(jax.random.key(0)).items():

@@ -44,7 +44,8 @@ UNIT_RUNS = {
     ("gpt_unit", "fp32"): ["recipe=gpt_unit_fp32"],
     ("gpt_unit", "bf16"): ["recipe=gpt_unit_bf16"],
     ("gpt_unit", "fp16"): ["recipe=gpt_unit_fp16"],
-    ("gpt_unit", "fp8"): ["recipe=gpt_unit_fp8"],
+    ("gpt_unit", "fp8"): ["recipe=gpt_unit_fp8"],  # the readout stays bf16
+    ("gpt_unit", "fp8_naive"): ["recipe=gpt_unit_fp8", "precision.keep=[]"],  # all
     ("mnist_unit", "fp8"): ["recipe=mnist_unit_fp8"],
 }
 # The line each unit-scaled run is held against: (task, precision, largest gap).

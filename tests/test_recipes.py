@@ -600,6 +600,29 @@ def test_gpt_unit_plain_casts_compose(half):
     assert config.precision.name == f"unit_{half}"
 
 
+def test_gpt_unit_fp8_keeps_the_readout_out_of_fp8():
+    # gpt_unit_fp8 casts every matmul but the readout (`projection` scope) to FP8;
+    # precision.keep=[] casts it too.
+    def fp8_dots(*overrides):
+        config = _run.to_config(make_config("recipe=gpt_unit_fp8", *overrides))
+        built = _common.trainer_options(config)["precision"]
+        rewrite = built.parts[0]
+        net, _ = gpt.build_model(config.model, 16, key=jax.random.key(0))
+        model = rewrite.wrap_model(net)
+        tokens = jnp.zeros((2, 8), jnp.int32)
+        jaxpr = jax.make_jaxpr(model)(tokens)
+        casts = [str(e.params.get("new_dtype")) for e in iter_eqns(jaxpr)]
+        return casts.count("float8_e4m3fn")
+
+    assert list(_run.to_config(make_config("recipe=gpt_unit_fp8")).precision.keep) == [
+        "projection"
+    ]
+    kept, every = fp8_dots(), fp8_dots("precision.keep=[]")
+    assert every - kept == 2 and kept == 2 * 7 * 4  # the readout's two operands
+    with pytest.raises(TypeError, match="list of scope names"):
+        precisions.naive_fp8("bf16", keep="projection")
+
+
 def test_mnist_unit_fp8_composes():
     config = _run.to_config(make_config("recipe=mnist_unit_fp8"))
     assert isinstance(config.model, _config.MLPUnitConfig)

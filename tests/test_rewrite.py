@@ -90,3 +90,43 @@ def test_composes_with_amp():
 def test_bad_rules(rules, message):
     with pytest.raises(TypeError, match=message):
         lowtrain.rewrite(jnp.sin, rules)
+
+
+def _scoped_program(x, w):
+    # One matmul outside any scope, one in "head", one in "head" inside a scan and
+    # a jit (the scope path reaches through both), one in "body/head" (the
+    # outermost scope with rules decides).
+    y = x @ w
+    with jax.named_scope("head"):
+        y = y @ w
+        y, _ = lax.scan(lambda c, _: (jax.jit(lambda a: a @ w)(c), None), y, None, 1)
+    with jax.named_scope("body"), jax.named_scope("head"):
+        return y @ w
+
+
+def test_scope_rules_replace_the_rules_inside_a_scope(maybe_jit):
+    x, w = jnp.ones((2, 2)), jnp.eye(2)
+    ref = _scoped_program(x, w)
+    rules = {"dot_general": _times(2.0)}
+    kept = lowtrain.rewrite(_scoped_program, rules, scopes={"head": {}})
+    # Doubled outside "head" (1 matmul), as written inside it (3).
+    np.testing.assert_array_equal(maybe_jit(kept)(x, w), 2.0 * ref)
+    tripled = {"h*": {"dot_general": _times(3.0)}}  # a glob, with its own rules
+    out = maybe_jit(lowtrain.rewrite(_scoped_program, rules, scopes=tripled))(x, w)
+    np.testing.assert_array_equal(out, 2.0 * 3.0**3 * ref)
+    # The outermost scope wins: "body" has rules of its own, so "body/head" uses them.
+    both = {"head": {}, "body": {"dot_general": _times(5.0)}}
+    out = maybe_jit(lowtrain.rewrite(_scoped_program, rules, scopes=both))(x, w)
+    np.testing.assert_array_equal(out, 2.0 * 5.0 * ref)
+
+
+@pytest.mark.parametrize(
+    "scopes, message",
+    [
+        ([("head", {})], "Expected `scopes` as a mapping"),
+        ({"head": {"dot_general": 2.0}}, r"Expected `scopes\['head'\]` to map"),
+    ],
+)
+def test_bad_scope_rules(scopes, message):
+    with pytest.raises(TypeError, match=message):
+        lowtrain.rewrite(jnp.sin, {}, scopes=scopes)

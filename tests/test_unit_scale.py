@@ -1,5 +1,7 @@
 """`uu.unit_scale` (the one-line transform) and `uu.simulate_fp8` (plain FP8 casts)."""
 
+import collections
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ from jax import lax
 
 import lowtrain
 import lowtrain.unit_scaling as uu
+import lowtrain.unit_scaling.functional as U
 
 from .helpers import iter_eqns
 
@@ -171,6 +174,45 @@ def test_simulate_fp8_weights_only_leaves_attention_products():
     x, k = jnp.full((1, 1, 4, 4), 2.0**-12), jnp.ones((1, 1, 3, 3))
     np.testing.assert_array_equal(uu.simulate_fp8(conv, weights_only=True)(x, k), 0.0)
     np.testing.assert_array_equal(conv(x, k)[0, 0, 1, 1], 9 * 2.0**-12)
+
+
+def _fp8_casts(fn, *args):
+    eqns = iter_eqns(jax.make_jaxpr(fn)(*args))
+    return collections.Counter(
+        str(e.params["new_dtype"])
+        for e in eqns
+        if str(e.params.get("new_dtype")).startswith("float8")
+    )
+
+
+def test_simulate_fp8_keep_leaves_the_named_sublayers():
+    # TransformerDecoder runs each sublayer in a named scope of its attribute: with
+    # keep, the readout ("projection") and the MLPs' down-projections ("linear_2")
+    # stay out of FP8, forward and backward; the other matmuls are still cast.
+    gpt = uu.TransformerDecoder(32, 16, layers=2, heads=2, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 12), 0, 16)
+
+    def grads(model):
+        loss = lambda m: U.cross_entropy(m(tokens)[:, :-1], tokens[:, 1:])  # noqa: E731
+        return eqx.filter_grad(loss)(model)
+
+    # 7 matmuls a layer (qkv, two attention products, out, up, gate, down) and the
+    # readout: two E4M3 operands and one E5M2 cotangent each.
+    every = _fp8_casts(grads, uu.simulate_fp8(gpt))
+    assert every == {"float8_e4m3fn": 2 * 15, "float8_e5m2": 15}
+    kept = uu.simulate_fp8(gpt, keep=["linear_2", "projection"])
+    assert _fp8_casts(grads, kept) == {"float8_e4m3fn": 2 * 12, "float8_e5m2": 12}
+    mlps = uu.simulate_fp8(gpt, keep=["mlp"])  # a whole MLP: 3 matmuls a layer
+    assert _fp8_casts(grads, mlps) == {"float8_e4m3fn": 2 * 9, "float8_e5m2": 9}
+    # Only the kept matmuls differ from every-matmul FP8: the logits now differ...
+    assert not jnp.array_equal(kept(tokens), uu.simulate_fp8(gpt)(tokens))
+    # ...and keeping every scope with a matmul gives the model as written (up to
+    # float32 rounding of the compiled program; one FP8 cast would be ~1e-2 off).
+    names = ["linear_qkv", "attention", "linear_o", "mlp", "projection"]
+    out = uu.simulate_fp8(gpt, keep=names)(tokens)
+    np.testing.assert_allclose(out, gpt(tokens), rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match="list of `jax.named_scope` names"):
+        uu.simulate_fp8(gpt, keep="projection")
 
 
 def test_unit_scaling_rescues_plain_fp8():

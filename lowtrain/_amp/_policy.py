@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 
 import equinox as eqx
@@ -10,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
+
+from .._scopes import match_scope
 
 RESIDUALS = ("all", "half")
 
@@ -174,14 +175,8 @@ class Policy(eqx.Module):
 
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
         """The action for primitive `primitive` inside `scopes` (outermost first)."""
-        table = dict(self.scopes)
-        for scope in scopes:
-            if scope in table:  # an exact name beats a glob
-                return table[scope]
-            for pattern, act in self.scopes:
-                if fnmatch.fnmatchcase(scope, pattern):
-                    return act
-        return dict(self.rules).get(primitive, WIDEST)
+        act = match_scope(self.scopes, scopes)
+        return dict(self.rules).get(primitive, WIDEST) if act is None else act
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
         """Cast the float arrays of `tree` to `param_dtype`."""

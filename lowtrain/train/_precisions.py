@@ -166,7 +166,8 @@ class DelayedFp8(Precision):
 
 class Rewrite(Precision):
     """The model's primitives named in `rules` replaced (`lowtrain.rewrite`): what
-    `loss` receives, and what `export` gives, is `lowtrain.rewrite(model, rules)`.
+    `loss` receives, and what `export` gives, is `lowtrain.rewrite(model, rules,
+    scopes=scopes)` (`scopes`: other rules inside named scopes, `{}` for none).
 
     Chain it before `Amp` to change every matmul of a model written without
     precision arguments (the recipes' naive-FP8 baseline), or after `Scalify`.
@@ -182,13 +183,21 @@ class Rewrite(Precision):
     """
 
     rules: tuple[tuple[str, Rule], ...] = eqx.field(static=True)
+    scopes: tuple[tuple[str, tuple[tuple[str, Rule], ...]], ...] = eqx.field(
+        static=True
+    )
 
-    def __init__(self, rules: Mapping[str, Rule]):
-        self.rules = tuple(sorted(dict(rules).items()))
-        rewrite(lambda: None, rules)  # checks `rules` now, not at the first step
+    def __init__(
+        self,
+        rules: Mapping[str, Rule],
+        scopes: Mapping[str, Mapping[str, Rule]] | None = None,
+    ):
+        checked = rewrite(lambda: None, rules, scopes=scopes)  # checks now
+        self.rules, self.scopes = checked.rules, checked.scopes
 
     def wrap_model(self, model):
-        return rewrite(model, dict(self.rules))
+        scopes = {name: dict(table) for name, table in self.scopes}
+        return rewrite(model, dict(self.rules), scopes=scopes)
 
 
 # The deprecated `transform=` argument: its values and the precisions they meant.

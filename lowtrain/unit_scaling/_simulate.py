@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 from jaxtyping import Array
@@ -103,7 +103,9 @@ def fp8_cast_rules(weights_only: bool = False) -> dict[str, Callable]:
     return rules
 
 
-def simulate_fp8(fn: Callable, *, weights_only: bool = False) -> Callable:
+def simulate_fp8(
+    fn: Callable, *, weights_only: bool = False, keep: Sequence[str] = ()
+) -> Callable:
     """`fn` with every matmul and convolution through FP8 by a plain cast: operands
     to E4M3 forward, the cotangent to E5M2 backward, scale 1, saturating
     (`fp8_cast_op` on each `dot_general` and `conv_general_dilated`, by
@@ -111,6 +113,10 @@ def simulate_fp8(fn: Callable, *, weights_only: bool = False) -> Callable:
     `simulate_fp8(unit_scale(model))`, then `lowtrain.amp` around it for the rest.
     With `weights_only`, only the matmuls with a weight operand (`fp8_weight_cast_op`:
     attention's two products of activations stay as they are; `fp8_cast_rules`).
+    Matmuls inside a `jax.named_scope` named in `keep` (names or globs) stay as they
+    are: the "critical" matmuls whose inputs u-μP finds growing during training, such
+    as `uu.TransformerDecoder`'s readout (`"projection"`) and the MLPs'
+    down-projections (`"linear_2"`).
 
     ```python
     import jax
@@ -122,6 +128,26 @@ def simulate_fp8(fn: Callable, *, weights_only: bool = False) -> Callable:
     assert float(f(x, jnp.ones((2, 1)))[0, 0]) == 1.0  # 1 + 2**-5 rounds to 1 in E4M3
     g = jax.grad(lambda x: f(x, jnp.ones((2, 1))).sum() * 1e-6)(x)
     assert float(jnp.abs(g).max()) == 0.0  # 1e-6 is below E5M2's smallest subnormal
+
+    def head(x, w):
+        with jax.named_scope("projection"):
+            return x @ w
+
+    kept = uu.simulate_fp8(head, keep=["projection"])
+    y = kept(x, jnp.ones((2, 1)))  # as written: not rounded, 1e-4 not flushed
+    assert abs(float(y[0, 0]) - (1.0 + 2**-5 + 1e-4)) < 1e-6
     ```
     """
-    return rewrite(fn, fp8_cast_rules(weights_only))
+    return rewrite(fn, fp8_cast_rules(weights_only), scopes=_keep_scopes(keep))
+
+
+def _keep_scopes(keep: Sequence[str]) -> dict[str, dict]:
+    """`lowtrain.rewrite`'s `scopes=` that leaves each named scope in `keep` as
+    written, checked: a list of names, not one string (whose letters would each
+    become a scope)."""
+    if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
+        raise TypeError(
+            "Expected `keep` as a list of `jax.named_scope` names, e.g. "
+            f"['linear_2', 'projection'], got {keep!r} instead."
+        )
+    return {name: {} for name in keep}

@@ -5,6 +5,12 @@ model).
 All of them take whole batches (`(..., seq, hidden)`, or integer tokens
 `(..., seq)` for the decoder), never one example under `jax.vmap`: their weight
 gradients are scaled by `batch ** -0.5`, with the batch counted from the call.
+
+Each sublayer runs inside a `jax.named_scope` named after its attribute
+(`embedding`, `mhsa`, `linear_qkv`, `attention`, `linear_o`, `mlp`, `linear_1`,
+`linear_gate`, `linear_2`, `projection`), so precisions and reports can pick one
+out: `uu.simulate_fp8(model, keep=("linear_2", "projection"))` leaves the MLPs'
+down-projections and the readout out of FP8.
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ from ._losses import cross_entropy
 from ._modules import Embedding, Linear, LinearReadout, RMSNorm
 from ._residual import residual_apply, transformer_residual_scaling_rule
 from .constraints import to_output_scale
+
+
+def _scoped(name: str, layer: Callable, x: Array) -> Array:
+    # Each sublayer runs in a `jax.named_scope` of its attribute's name, so that
+    # precisions and reports can pick it out (`rewrite(..., scopes={"linear_2": {}})`).
+    with jax.named_scope(name):
+        return layer(x)
 
 
 class MLP(eqx.Module):
@@ -77,12 +90,12 @@ class MLP(eqx.Module):
     def __call__(
         self, x: Float[Array, "... hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... hidden"]:
-        h = self.linear_1(x)  # (..., inner)
+        h = _scoped("linear_1", self.linear_1, x)  # (..., inner)
         if self.linear_gate is not None:
-            h = silu_glu(h, self.linear_gate(x))
+            h = silu_glu(h, _scoped("linear_gate", self.linear_gate, x))
         else:
             h = gelu(h)
-        return self.linear_2(h)
+        return _scoped("linear_2", self.linear_2, h)
 
 
 class MHSA(eqx.Module):
@@ -136,13 +149,15 @@ class MHSA(eqx.Module):
         self, x: Float[Array, "... seq hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... seq hidden"]:
         *lead, seq, hidden = x.shape
-        qkv = self.linear_qkv(x).reshape(*lead, seq, 3, self.heads, -1)
+        qkv = _scoped("linear_qkv", self.linear_qkv, x)
+        qkv = qkv.reshape(*lead, seq, 3, self.heads, -1)
         q, k, v = jnp.swapaxes(jnp.moveaxis(qkv, -3, 0), -3, -2)  # (..., heads, seq, d)
-        out = scaled_dot_product_attention(
-            q, k, v, is_causal=self.is_causal, mult=self.mult
-        )
+        with jax.named_scope("attention"):
+            out = scaled_dot_product_attention(
+                q, k, v, is_causal=self.is_causal, mult=self.mult
+            )
         out = jnp.swapaxes(out, -3, -2).reshape(*lead, seq, hidden)
-        return self.linear_o(out)
+        return _scoped("linear_o", self.linear_o, out)
 
 
 class TransformerLayer(eqx.Module):
@@ -207,10 +222,14 @@ class TransformerLayer(eqx.Module):
     ) -> Float[Array, "... seq hidden"]:
         kattn, kmlp = (None, None) if key is None else jax.random.split(key)
         x = residual_apply(
-            lambda h: self._drop(self.mhsa(self.mhsa_norm(h)), kattn), x, self.mhsa_tau
+            lambda h: self._drop(_scoped("mhsa", self.mhsa, self.mhsa_norm(h)), kattn),
+            x,
+            self.mhsa_tau,
         )
         return residual_apply(
-            lambda h: self._drop(self.mlp(self.mlp_norm(h)), kmlp), x, self.mlp_tau
+            lambda h: self._drop(_scoped("mlp", self.mlp, self.mlp_norm(h)), kmlp),
+            x,
+            self.mlp_tau,
         )
 
 
@@ -313,8 +332,9 @@ class TransformerDecoder(eqx.Module):
     def __call__(
         self, tokens: Int[Array, "... seq"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... seq vocab"]:
-        x = self.layers(self.embedding(tokens), key=key)  # (..., seq, hidden)
-        return self.projection(self.final_norm(x))
+        x = _scoped("embedding", self.embedding, tokens)
+        x = self.layers(x, key=key)  # (..., seq, hidden)
+        return _scoped("projection", self.projection, self.final_norm(x))
 
     def loss(
         self, tokens: Int[Array, "... seq"], *, key: PRNGKeyArray | None = None
