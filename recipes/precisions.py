@@ -18,7 +18,7 @@ import lowtrain
 from lowtrain.fp8 import E4M3, E5M2
 from lowtrain.scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
 from lowtrain.train import Amp, Chain, Precision, Rewrite, Scalify
-from lowtrain.unit_scaling import MATMULS, fp8_cast_rules
+from lowtrain.unit_scaling import MATMULS, fp8_cast_rules, keep_scopes
 from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op  # noqa: F401 (the rule)
 
 from ._config import LossScale
@@ -70,13 +70,8 @@ def naive_fp8(
             f"FP8 baseline, got {policy!r} instead, which would quantize them twice. "
             "Use `precision=fp8_naive precision.policy=bf16`."
         )
-    if isinstance(keep, str):
-        raise TypeError(
-            f"Expected `keep` as a list of scope names, e.g. [linear_2, projection], "
-            f"got the string {keep!r} instead."
-        )
-    scopes = {name: {} for name in keep}
-    return Chain(Rewrite(fp8_cast_rules(weights_only), scopes), amp(policy))
+    rewrite = Rewrite(fp8_cast_rules(weights_only), keep_scopes(keep))
+    return Chain(rewrite, amp(policy))
 
 
 def scalify(policy: str = "p=f32,c=f16", fp8: bool = False) -> Precision:

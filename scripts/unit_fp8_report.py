@@ -2,7 +2,8 @@
 
 Takes a `gpt_unit` run (any precision; by default the learning-rate sweep's float32
 width-128, lr-2 run: `python scripts/lr_transfer.py --only u-μP --widths 128 --lrs 2`,
-500 steps), copies it, resumes the copy for one step under `recipe=gpt_unit_fp8` with
+500 steps), copies it, resumes the copy for one step under `recipe=gpt_unit_fp8
+precision.keep=[]` (every matmul cast, the readout too) with
 `trainer.numerics_every` set to the checkpoint's step, and prints the tensors that are
 FP8 in that program: how many of their values are zero (a causal mask makes 49.2% of
 the attention probabilities zero; any more was flushed by the cast) and their RMS and
@@ -40,6 +41,7 @@ def main() -> None:
     opt = cfg["optimizer"]
     overrides = [
         "recipe=gpt_unit_fp8",
+        "precision.keep=[]",  # every matmul, as documented: the readout too
         f"model.n_embd={cfg['model']['n_embd']}",
         "trainer.resume=true",
         f"trainer.steps={steps + 1}",

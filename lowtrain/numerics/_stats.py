@@ -157,10 +157,15 @@ def lost(row: dict, fmt: str) -> float:
     return row["underflow"][fmt] + row["overflow"][fmt]
 
 
+def _chunks(size: int) -> int:
+    # Chunks of `CHUNK` values a tensor of `size` values takes (at least one).
+    return -(-max(size, 1) // CHUNK)
+
+
 def _padded(x: Array) -> Float[Array, " n"]:
     # `x` flat in float32, zero-padded to whole chunks (a no-op for most tensors).
     v = x.astype(jnp.float32).reshape(-1)
-    return jnp.pad(v, (0, -(-max(v.size, 1) // CHUNK) * CHUNK - v.size))
+    return jnp.pad(v, (0, _chunks(v.size) * CHUNK - v.size))
 
 
 # The sum of squares of a chunk is taken in float32 at a scale, `|x| * 2**e` for
@@ -257,8 +262,9 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
     ref = jnp.where(chunk_max > 0, chunk_max, 1.0) * scale  # ref**2 is normal
     chunk_sq = jnp.stack([low, mid, high], 1)[jnp.arange(which.size), which]
     chunk_sq = chunk_sq / (ref * ref)
-    chunks = [max(1, -(-s // CHUNK)) for s in sizes]
-    owner = np.concatenate([np.full(chunks[i], i, np.int32) for g in groups for i in g])
+    owner = np.concatenate(
+        [np.full(_chunks(sizes[i]), i, np.int32) for g in groups for i in g]
+    )
     seg = dict(segment_ids=owner, num_segments=n, indices_are_sorted=True)
     absmax = jnp.maximum(jax.ops.segment_max(chunk_max, **seg), 0.0)
     top = jnp.where(absmax > 0, absmax, 1.0)[owner]

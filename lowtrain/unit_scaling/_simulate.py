@@ -138,13 +138,20 @@ def simulate_fp8(
     assert abs(float(y[0, 0]) - (1.0 + 2**-5 + 1e-4)) < 1e-6
     ```
     """
-    return rewrite(fn, fp8_cast_rules(weights_only), scopes=_keep_scopes(keep))
+    return rewrite(fn, fp8_cast_rules(weights_only), scopes=keep_scopes(keep))
 
 
-def _keep_scopes(keep: Sequence[str]) -> dict[str, dict]:
-    """`lowtrain.rewrite`'s `scopes=` that leaves each named scope in `keep` as
-    written, checked: a list of names, not one string (whose letters would each
-    become a scope)."""
+def keep_scopes(keep: Sequence[str]) -> dict[str, dict]:
+    """`lowtrain.rewrite`'s `scopes=` that leaves each `jax.named_scope` in `keep`
+    (names or globs) as written: `simulate_fp8`'s `keep`. Checked: a list of names,
+    not one string (whose letters would each become a scope).
+
+    ```python
+    import lowtrain.unit_scaling as uu
+
+    assert uu.keep_scopes(["projection"]) == {"projection": {}}
+    ```
+    """
     if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
         raise TypeError(
             "Expected `keep` as a list of `jax.named_scope` names, e.g. "
