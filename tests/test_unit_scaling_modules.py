@@ -186,6 +186,42 @@ def test_decoder_shapes_loss_and_gradients(getkey, gpt):
     assert_rms(layer.mlp.linear_2.weight, grads.projection.weight)
 
 
+def test_decoder_stream_is_the_unit_scaled_one_up_to_a_factor(getkey, gpt):
+    # The decoder passes its stream on with a factor per layer folded in
+    # (`stream_scale`); the same layers unit-scaled at every add are the same model:
+    # loss and every gradient equal up to rounding and the norms' eps.
+    layers = gpt.layers.layers
+    scales = [layer.stream_scale for layer in layers]
+    expected = 1.0
+    for layer, c in zip(layers, scales):
+        assert c == pytest.approx(expected)
+        expected *= math.sqrt((1 + layer.mhsa_tau**2) * (1 + layer.mlp_tau**2))
+
+    def normalised(layer):
+        fresh = abstract(
+            uu.TransformerLayer,
+            64,
+            4,
+            mhsa_tau=layer.mhsa_tau,
+            mlp_tau=layer.mlp_tau,
+            is_causal=True,
+            key=getkey(),
+        )
+        parts = lambda m: (m.mhsa_norm, m.mhsa, m.mlp_norm, m.mlp)
+        return eqx.tree_at(parts, fresh, parts(layer))
+
+    reference = eqx.tree_at(
+        lambda m: m.layers, gpt, uu.DepthSequential([normalised(x) for x in layers])
+    )
+    assert all(x.stream_scale is None for x in reference.layers.layers)
+    tokens = jax.random.randint(getkey(), (8, 16), 0, 64)
+    run = eqx.filter_jit(eqx.filter_value_and_grad(lambda m: m.loss(tokens)))
+    (loss, grads), (ref_loss, ref_grads) = run(gpt), run(reference)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r)) < 1e-3
+
+
 def test_decoder_taus_follow_the_depth_rule(getkey):
     gpt = abstract(uu.TransformerDecoder, 16, 8, layers=3, heads=2, key=getkey())
     taus = [(x.mhsa_tau, x.mlp_tau) for x in gpt.layers.layers]

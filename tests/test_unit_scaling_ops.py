@@ -282,6 +282,34 @@ def test_residual(rng, tau):
     np.testing.assert_allclose(apply(x, w), y, rtol=1e-5, atol=1e-6)
 
 
+def test_residual_apply_with_stream_scale_is_the_same_layer(rng):
+    # On a stream carrying a factor c, a pre-norm branch (blind to that factor) gives
+    # the unit-scaled layer times c * sqrt(1 + tau**2), the branch's weight gradient
+    # of the unit-scaled layer, and the input gradient divided by c.
+    tau, c = 0.5, 1.7
+    d = math.sqrt(1 + tau**2)
+    x, w = normal(rng, 64, 64), normal(rng, 64, 64)
+    branch = lambda w: lambda h: U.linear(U.rms_norm(h), w)
+    y, cot, (gx, gw) = unit_vjp(
+        lambda x, w: U.residual_apply(branch(w), x, tau), rng, x, w
+    )
+
+    def folded(x, w):
+        return U.residual_apply(branch(w), x, tau, stream_scale=c)
+
+    z, vjp = jax.vjp(folded, c * x, w)
+    fx, fw = vjp(cot / (c * d))  # the stream's gradient after a folded layer
+    np.testing.assert_allclose(z, c * d * y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(fw, gw, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(fx, gx / c, rtol=1e-4, atol=1e-4)
+    # Nothing multiplies the stream: the skip is added as it is.
+    jaxpr = jax.make_jaxpr(folded)(x, w).jaxpr
+    last = jaxpr.eqns[-1]
+    assert last.primitive.name == "add" and last.invars[0] is jaxpr.invars[0]
+    with pytest.raises(ValueError, match="positive `stream_scale`"):
+        U.residual_apply(branch(w), x, tau, stream_scale=0.0)
+
+
 def test_transformer_residual_scaling_rule():
     layers = 4
     tau = uu.transformer_residual_scaling_rule()
