@@ -80,32 +80,39 @@ def plain_decoder_loss(model: uu.TransformerDecoder, x, y) -> jax.Array:
 
 def ablation_loss(part: str):
     """`plain_decoder_loss` with one part of the unit-scaled model put back (`part`):
-    `residual` (`U.residual_apply` with the model's `tau`s), `residual_jax` (the same
-    forward `tau * f(x) / d + x / d` written in plain JAX, no `scale_fwd`/`scale_bwd`:
-    its gradients are the true ones), `norm` (`U.rms_norm`), `mhsa` and `mlp` (the
-    `uu` modules), `head` (`U.embedding`, the `LinearReadout`, `U.cross_entropy`)."""
+    `residual` (`U.residual_apply` with the model's `tau`s, each add normalised),
+    `residual_jax` (the same forward `tau * f(x) / d + x / d` written in plain JAX,
+    no `scale_fwd`/`scale_bwd`: its gradients are the true ones), `residual_stream`
+    (`U.residual_apply(..., stream_scale=c)`, as `uu.TransformerDecoder` runs it:
+    no factor on the stream), `norm` (`U.rms_norm`), `mhsa` and `mlp` (the `uu`
+    modules), `head` (`U.embedding`, the `LinearReadout`, `U.cross_entropy`)."""
     norm = U.rms_norm if part == "norm" else _rms_norm
 
-    def residual(f, h, tau):
+    def residual(f, h, tau, c):
         if part == "residual":
             return U.residual_apply(f, h, tau)
+        if part == "residual_stream":
+            return U.residual_apply(f, h, tau, stream_scale=c)
         if part == "residual_jax":
             d = (1 + tau**2) ** 0.5
             return tau / d * f(h) + h / d
         return h + f(h)
 
-    def layer_fn(layer, h):
+    def layer_fn(layer, h, c):
         mhsa, mlp = layer.mhsa, layer.mlp
         attn = mhsa if part == "mhsa" else lambda z: _plain_attention(mhsa, z)
         ffn = mlp if part == "mlp" else lambda z: _plain_mlp(mlp, z)
-        h = residual(lambda z: attn(norm(z)), h, layer.mhsa_tau)
-        return residual(lambda z: ffn(norm(z)), h, layer.mlp_tau)
+        h = residual(lambda z: attn(norm(z)), h, layer.mhsa_tau, c)
+        c *= (1 + layer.mhsa_tau**2) ** 0.5
+        h = residual(lambda z: ffn(norm(z)), h, layer.mlp_tau, c)
+        return h, c * (1 + layer.mlp_tau**2) ** 0.5
 
     def loss(model, x, y):
         table = model.embedding.weight
         h = U.embedding(x, table) if part == "head" else table[x]
+        c = 1.0  # the stream's factor (`residual_stream` only)
         for layer in model.layers.layers:
-            h = layer_fn(layer, h)
+            h, c = layer_fn(layer, h, c)
         if part == "head":
             return U.cross_entropy(model.projection(norm(h)), y)
         return models.cross_entropy(norm(h) @ model.projection.weight.T, y)
@@ -113,7 +120,15 @@ def ablation_loss(part: str):
     return loss
 
 
-ABLATION = ("residual", "residual_jax", "norm", "mhsa", "mlp", "head")
+ABLATION = (
+    "residual",
+    "residual_jax",
+    "residual_stream",
+    "norm",
+    "mhsa",
+    "mlp",
+    "head",
+)
 
 
 def unit_decoder_loss(model: uu.TransformerDecoder, x, y) -> jax.Array:
