@@ -214,6 +214,8 @@ def test_decoder_stream_is_the_unit_scaled_one_up_to_a_factor(getkey, gpt):
         lambda m: m.layers, gpt, uu.DepthSequential([normalised(x) for x in layers])
     )
     assert all(x.stream_scale is None for x in reference.layers.layers)
+    with pytest.raises(ValueError, match="positive"):
+        abstract(uu.TransformerLayer, 64, 4, stream_scale=-1.0, key=getkey())
     tokens = jax.random.randint(getkey(), (8, 16), 0, 64)
     run = eqx.filter_jit(eqx.filter_value_and_grad(lambda m: m.loss(tokens)))
     (loss, grads), (ref_loss, ref_grads) = run(gpt), run(reference)

@@ -214,6 +214,11 @@ class TransformerLayer(eqx.Module):
         inference: bool = False,
         key: PRNGKeyArray,
     ):
+        if stream_scale is not None and not stream_scale > 0:
+            raise ValueError(
+                "Expected `stream_scale` None (unit-scaled in and out) or positive "
+                f"(the stream's factor over the unit-scaled one), got {stream_scale!r}."
+            )
         kattn, kmlp = jax.random.split(key)
         self.mhsa_norm = RMSNorm(hidden_size)
         self.mhsa = MHSA(hidden_size, heads, is_causal=is_causal, key=kattn)
