@@ -27,6 +27,7 @@ weights of GELU), so only the ratio within a pair is a cost of unit scaling.
     python scripts/bench_unit.py              # 200 timed steps per variant
     python scripts/bench_unit.py --steps 40   # a quick look
     python scripts/bench_unit.py --ablation   # the modules pair, one part at a time
+    python scripts/bench_unit.py --hlo        # the ablation's compiled steps, counted
 """
 
 from __future__ import annotations
@@ -152,9 +153,9 @@ def pairs(key: jax.Array) -> dict[str, tuple[eqx.Module, dict]]:
     }
 
 
-def ablation(steps: int, warmup: int, batch) -> None:
-    """The `modules` pair taken apart: the plain twin with one unit-scaled part at a
-    time, each against the plain twin, interleaved in one process."""
+def _ablation_steps():
+    """`(jitted steps of the plain twin, each ablation part and the unit-scaled
+    decoder, their shared state)`."""
     unit, _ = pairs(jax.random.key(0))["modules"]
     losses = {"plain": plain_decoder_loss}
     losses.update({part: ablation_loss(part) for part in ABLATION})
@@ -162,6 +163,30 @@ def ablation(steps: int, warmup: int, batch) -> None:
     optimizer = optax.adam(1e-3)
     state = (unit, optimizer.init(eqx.filter(unit, eqx.is_inexact_array)))
     fns = {k: eqx.filter_jit(timing.make_step(f, optimizer)) for k, f in losses.items()}
+    return fns, state
+
+
+def hlo_counts(batch) -> None:
+    """What XLA compiled for each step of the ablation: the fusions of the optimized
+    HLO's entry computation, and the multiplies of the whole module (inside fusions
+    included), those on `(batch x context, MLP width)` activations apart."""
+    fns, state = _ablation_steps()
+    hidden = f"f32[{BATCH * C.block_size},{4 * C.n_embd}]"
+    print("| step | fusions | multiplies | on " + hidden + " |")
+    print("|---|---:|---:|---:|")
+    for name, fn in fns.items():
+        text = fn.lower(*state, *batch).compile().compiled.as_text()
+        entry = text[text.index("\nENTRY") :]
+        fusions = sum(" fusion(" in line for line in entry.splitlines())
+        muls = [line for line in text.splitlines() if " multiply(" in line]
+        on_hidden = sum(f"= {hidden}" in line for line in muls)
+        print(f"| {name} | {fusions} | {len(muls)} | {on_hidden} |")
+
+
+def ablation(steps: int, warmup: int, batch) -> None:
+    """The `modules` pair taken apart: the plain twin with one unit-scaled part at a
+    time, each against the plain twin, interleaved in one process."""
+    fns, state = _ablation_steps()
     states = dict.fromkeys(fns, state)
     times, _ = timing.interleaved(
         fns, states, batch, steps=steps, round_len=ROUND, warmup=warmup
@@ -184,6 +209,11 @@ def main() -> None:
         action="store_true",
         help="time the plain twin with one unit-scaled part at a time instead",
     )
+    parser.add_argument(
+        "--hlo",
+        action="store_true",
+        help="count the fusions and multiplies XLA compiles for each --ablation step",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     print(f"Machine: {report.machine()}", flush=True)
@@ -191,6 +221,9 @@ def main() -> None:
         jax.random.key(1), (BATCH, C.block_size + 1), 0, models.GPT_VOCAB
     )
     batch = (stream[:, :-1], stream[:, 1:])
+    if args.hlo:
+        hlo_counts(batch)
+        return
     if args.ablation:
         ablation(args.steps, args.warmup, batch)
         print(f"\nTotal benchmark time: {time.perf_counter() - start:.0f} s")

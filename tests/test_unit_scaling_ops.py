@@ -306,7 +306,7 @@ def test_residual_apply_with_stream_scale_is_the_same_layer(rng):
     jaxpr = jax.make_jaxpr(folded)(x, w).jaxpr
     last = jaxpr.eqns[-1]
     assert last.primitive.name == "add" and last.invars[0] is jaxpr.invars[0]
-    with pytest.raises(ValueError, match="positive `stream_scale`"):
+    with pytest.raises(ValueError, match="Expected `stream_scale` None .* or positive"):
         U.residual_apply(branch(w), x, tau, stream_scale=0.0)
 
 

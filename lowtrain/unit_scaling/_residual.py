@@ -108,20 +108,31 @@ def residual_apply(
     assert jnp.allclose(z, 3 * 1.25**0.5 * y, rtol=1e-4, atol=1e-4)
     ```
     """
+    check_stream_scale(stream_scale)
     if stream_scale is None:
         residual, skip = residual_split(x, tau)
         return residual_add(fn(residual), skip, tau)
-    if not stream_scale > 0:
-        raise ValueError(
-            f"Expected a positive `stream_scale` (the stream's factor over the "
-            f"unit-scaled one, 1 at the first layer), got {stream_scale!r}."
-        )
     denom = (1 + tau**2) ** 0.5
     # The branch sees the unit-scaled layer's gradient `g` (the stream's gradient is
     # `g / (c * denom)` after this layer), and gives `x` the unit-scaled branch
     # gradient times `1 / c`, as the skip does.
     out = scale_bwd(fn(scale_bwd(x, tau / denom)), stream_scale * denom)
     return x + scale_fwd(out, stream_scale * tau)
+
+
+def check_stream_scale(stream_scale: float | None) -> None:
+    # `residual_apply`'s and `TransformerLayer`'s check of `stream_scale`.
+    if stream_scale is not None and not stream_scale > 0:
+        raise ValueError(
+            "Expected `stream_scale` None (a unit-scaled stream) or positive (the "
+            "stream's factor over the unit-scaled one: 1 at the first layer, then "
+            f"`next_stream_scale` of the one before), got {stream_scale!r}."
+        )
+
+
+def next_stream_scale(stream_scale: float, tau: float) -> float:
+    # The stream's factor after a `residual_apply(..., tau, stream_scale=...)`.
+    return stream_scale * (1 + tau**2) ** 0.5
 
 
 def transformer_residual_scaling_rule(

@@ -27,7 +27,12 @@ from ._activations import dropout, gelu, silu_glu
 from ._attention import scaled_dot_product_attention
 from ._losses import cross_entropy
 from ._modules import Embedding, Linear, LinearReadout, RMSNorm
-from ._residual import residual_apply, transformer_residual_scaling_rule
+from ._residual import (
+    check_stream_scale,
+    next_stream_scale,
+    residual_apply,
+    transformer_residual_scaling_rule,
+)
 from .constraints import to_output_scale
 
 
@@ -214,11 +219,7 @@ class TransformerLayer(eqx.Module):
         inference: bool = False,
         key: PRNGKeyArray,
     ):
-        if stream_scale is not None and not stream_scale > 0:
-            raise ValueError(
-                "Expected `stream_scale` None (unit-scaled in and out) or positive "
-                f"(the stream's factor over the unit-scaled one), got {stream_scale!r}."
-            )
+        check_stream_scale(stream_scale)
         kattn, kmlp = jax.random.split(key)
         self.mhsa_norm = RMSNorm(hidden_size)
         self.mhsa = MHSA(hidden_size, heads, is_causal=is_causal, key=kattn)
@@ -245,7 +246,7 @@ class TransformerLayer(eqx.Module):
             stream_scale=c,
         )
         if c is not None:
-            c *= (1 + self.mhsa_tau**2) ** 0.5
+            c = next_stream_scale(c, self.mhsa_tau)
         return residual_apply(
             lambda h: self._drop(_scoped("mlp", self.mlp, self.mlp_norm(h)), kmlp),
             x,
@@ -337,11 +338,10 @@ class TransformerDecoder(eqx.Module):
         kemb, kproj, *klayers = jax.random.split(key, layers + 2)
         self.embedding = Embedding(vocab_size, hidden_size, key=kemb)
         taus = [tau(i, 2 * layers) for i in range(2 * layers)]
-        # The stream's factor over the unit-scaled one before each layer: the product
-        # of sqrt(1 + tau**2) over the branches before it.
+        # The stream's factor over the unit-scaled one before each branch.
         scales = [1.0]
         for t in taus:
-            scales.append(scales[-1] * (1 + t**2) ** 0.5)
+            scales.append(next_stream_scale(scales[-1], t))
         self.layers = DepthSequential(
             [
                 TransformerLayer(
