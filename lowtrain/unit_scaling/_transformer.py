@@ -33,6 +33,7 @@ from ._residual import (
     residual_apply,
     transformer_residual_scaling_rule,
 )
+from ._swiglu import swiglu_mlp
 from .constraints import to_output_scale
 
 
@@ -51,8 +52,12 @@ class MLP(eqx.Module):
     Its linears use `constraint=None`: each keeps unit output and unit gradient
     scales apart, and the mismatch of `linear_1` (`sqrt(hidden / inner)`) cancels
     the one of `linear_2` (`sqrt(inner / hidden)`), so the input gradient is the
-    true one. Call it on a whole batch `(..., hidden_size)`, not under `jax.vmap`
-    (the weight gradients are scaled by `batch ** -0.5`).
+    true one. The SwiGLU form runs as `swiglu_mlp`: the same values and
+    gradients with each scale applied once (three plain matmuls in their named
+    scopes, one gated activation with a folded backward); linears given a bias or a
+    constraint (by `eqx.tree_at`) run op by op. Call it on a whole batch
+    `(..., hidden_size)`, not under `jax.vmap` (the weight gradients are scaled
+    by `batch ** -0.5`).
 
     ```python
     import jax
@@ -95,12 +100,20 @@ class MLP(eqx.Module):
     def __call__(
         self, x: Float[Array, "... hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... hidden"]:
+        linears = (self.linear_1, self.linear_gate, self.linear_2)
+        if self.linear_gate is not None and all(_plain(lin) for lin in linears):
+            return swiglu_mlp(x, *(lin.weight for lin in linears))
         h = _scoped("linear_1", self.linear_1, x)  # (..., inner)
         if self.linear_gate is not None:
             h = silu_glu(h, _scoped("linear_gate", self.linear_gate, x))
         else:
             h = gelu(h)
         return _scoped("linear_2", self.linear_2, h)
+
+
+def _plain(linear: Linear) -> bool:
+    # As `MLP` builds its linears: `swiglu_mlp` computes exactly these.
+    return linear.bias is None and linear.constraint is None
 
 
 class MHSA(eqx.Module):
