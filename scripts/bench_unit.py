@@ -69,6 +69,15 @@ def _plain_mlp(mlp: uu.MLP, x: jax.Array) -> jax.Array:
     return (gate * (x @ mlp.linear_1.weight.T)) @ mlp.linear_2.weight.T
 
 
+def _op_by_op_mlp(mlp: uu.MLP, x: jax.Array) -> jax.Array:
+    # `uu.MLP` written op by op (as it ran before git 9021857's `swiglu_mlp`).
+    a, g = (
+        U.linear(x, lin.weight, constraint=None)
+        for lin in (mlp.linear_1, mlp.linear_gate)
+    )
+    return U.linear(U.silu_glu(a, g), mlp.linear_2.weight, constraint=None)
+
+
 def plain_decoder_loss(model: uu.TransformerDecoder, x, y) -> jax.Array:
     """`model`'s network in plain JAX, without a single unit-scaling scale."""
     h = model.embedding.weight[x]  # (B, T, D)
@@ -86,7 +95,8 @@ def ablation_loss(part: str):
     no `scale_fwd`/`scale_bwd`: its gradients are the true ones), `residual_stream`
     (`U.residual_apply(..., stream_scale=c)`, as `uu.TransformerDecoder` runs it:
     no factor on the stream), `norm` (`U.rms_norm`), `mhsa` and `mlp` (the `uu`
-    modules), `head` (`U.embedding`, the `LinearReadout`, `U.cross_entropy`)."""
+    modules), `mlp_ops` (the same MLP op by op: `U.linear`, `U.silu_glu`), `head`
+    (`U.embedding`, the `LinearReadout`, `U.cross_entropy`)."""
     norm = U.rms_norm if part == "norm" else _rms_norm
 
     def residual(f, h, tau, c):
@@ -102,7 +112,9 @@ def ablation_loss(part: str):
     def layer_fn(layer, h, c):
         mhsa, mlp = layer.mhsa, layer.mlp
         attn = mhsa if part == "mhsa" else lambda z: _plain_attention(mhsa, z)
-        ffn = mlp if part == "mlp" else lambda z: _plain_mlp(mlp, z)
+        ffn = {"mlp": mlp, "mlp_ops": lambda z: _op_by_op_mlp(mlp, z)}.get(
+            part, lambda z: _plain_mlp(mlp, z)
+        )
         h = residual(lambda z: attn(norm(z)), h, layer.mhsa_tau, c)
         c *= (1 + layer.mhsa_tau**2) ** 0.5
         h = residual(lambda z: ffn(norm(z)), h, layer.mlp_tau, c)
@@ -128,6 +140,7 @@ ABLATION = (
     "norm",
     "mhsa",
     "mlp",
+    "mlp_ops",
     "head",
 )
 
