@@ -1,7 +1,7 @@
 """Where the unit-scaled GPT's plain FP8 cast loses precision after some training.
 
 Takes a `gpt_unit` run (any precision; by default the learning-rate sweep's float32
-width-128, lr-2 run: `python scripts/lr_transfer.py --only u-μP --widths 128 --lrs 2`,
+width-128, lr-1 run: `python scripts/lr_transfer.py --only u-μP --widths 128 --lrs 1`,
 500 steps), copies it, resumes the copy for one step under `recipe=gpt_unit_fp8
 precision.keep=[]` (every matmul cast, the readout too) with
 `trainer.numerics_every` set to the checkpoint's step, and prints the tensors that are
@@ -29,7 +29,7 @@ from lowtrain.numerics import Report
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--run", type=pathlib.Path, default="outputs/lr_transfer/umup_w128_lr2"
+        "--run", type=pathlib.Path, default="outputs/lr_transfer/umup_w128_lr1"
     )
     parser.add_argument("--out", type=pathlib.Path, default="outputs/unit_fp8_report")
     args = parser.parse_args()
