@@ -254,6 +254,9 @@ class GPTUnitConfig:
     n_head: int = 4
     n_embd: int = 128
     block_size: int = 64  # context length: the length of the training crops
+    # `uu.MLP(fold_scales=...)`: the SwiGLU's backward constants on its weight and
+    # input gradients (faster); false for float16 (`gpt_unit_fp16`), which overflows.
+    fold_mlp_scales: bool = True
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size"):

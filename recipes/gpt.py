@@ -185,7 +185,12 @@ def build_model(m: GPTConfig | GPTUnitConfig, vocab: int, *, key):
         vocab = m.vocab_size
     if isinstance(m, GPTUnitConfig):
         model = uu.TransformerDecoder(
-            m.n_embd, vocab, layers=m.n_layer, heads=m.n_head, key=key
+            m.n_embd,
+            vocab,
+            layers=m.n_layer,
+            heads=m.n_head,
+            fold_mlp_scales=m.fold_mlp_scales,
+            key=key,
         )
         return model, UnitGptTrainer
     return GPT(m, vocab, key=key), GptTrainer

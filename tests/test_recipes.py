@@ -598,6 +598,10 @@ def test_gpt_unit_plain_casts_compose(half):
     assert amp.policy == lowtrain.get_policy(half)
     assert isinstance(amp.default_loss_scale(), lowtrain.NoOpLossScale)
     assert config.precision.name == f"unit_{half}"
+    # float16 runs the SwiGLU MLPs op by op: folded, its gradients overflow.
+    net, _ = gpt.build_model(config.model, 16, key=jax.random.key(0))
+    mlps = [layer.mlp for layer in net.layers.layers]
+    assert [m.fold_scales for m in mlps] == [half != "fp16"] * len(mlps)
 
 
 def test_gpt_unit_fp8_keeps_the_readout_out_of_fp8():

@@ -124,6 +124,22 @@ def test_linears_given_a_constraint_or_bias_run_op_by_op(data):
         assert rel(m(x), mlp(x)) > 0.05
 
 
+def test_fold_scales_false_runs_op_by_op(data):
+    x, cot = data
+    mlp = uu.MLP(64, fold_scales=False, key=jax.random.key(0))
+    (loss, (gm, gx)), (ref, (rm, rx)) = (
+        loss_and_grads(f, mlp, x, cot) for f in (lambda m, x: m(x), op_by_op)
+    )
+    # The same program, so the same bits (the folded one differs in rounding).
+    np.testing.assert_array_equal(gx, rx)
+    np.testing.assert_array_equal(gm.linear_gate.weight, rm.linear_gate.weight)
+    folded = uu.MLP(64, key=jax.random.key(0))
+    _, (_, folded_gx) = loss_and_grads(lambda m, x: m(x), folded, x, cot)
+    assert not np.array_equal(folded_gx, rx)
+    with pytest.raises(TypeError, match="bool `fold_scales`, got 'no'"):
+        uu.MLP(64, fold_scales="no", key=jax.random.key(0))
+
+
 def test_wrong_input_width_is_a_clear_error():
     mlp = uu.MLP(64, key=jax.random.key(0))
     with pytest.raises(

@@ -22,6 +22,15 @@ from ._matmuls import _check_linear
 from ._scale import scale_bwd, scale_fwd
 
 
+def folds(linear_1, linear_gate, linear_2) -> bool:
+    """Whether `swiglu_mlp` computes `uu.MLP`'s three linears: gated, and each
+    without a bias and with `constraint=None`, as `uu.MLP` builds them."""
+    linears = (linear_1, linear_gate, linear_2)
+    return linear_gate is not None and all(
+        lin.bias is None and lin.constraint is None for lin in linears
+    )
+
+
 def swiglu_mlp(
     x: Float[Array, "... hidden"],
     weight_1: Float[Array, "inner hidden"],

@@ -33,7 +33,7 @@ from ._residual import (
     residual_apply,
     transformer_residual_scaling_rule,
 )
-from ._swiglu import swiglu_mlp
+from ._swiglu import folds, swiglu_mlp
 from .constraints import to_output_scale
 
 
@@ -52,10 +52,14 @@ class MLP(eqx.Module):
     Its linears use `constraint=None`: each keeps unit output and unit gradient
     scales apart, and the mismatch of `linear_1` (`sqrt(hidden / inner)`) cancels
     the one of `linear_2` (`sqrt(inner / hidden)`), so the input gradient is the
-    true one. The SwiGLU form runs as `swiglu_mlp`: the same values and
-    gradients with each scale applied once (three plain matmuls in their named
-    scopes, one gated activation with a folded backward); linears given a bias or a
-    constraint (by `eqx.tree_at`) run op by op. Call it on a whole batch
+    true one. The SwiGLU form runs as `swiglu_mlp` (`fold_scales=True`): the same
+    values and gradients, with the up-projections' backward constant on the weight
+    and input gradients instead of their `(..., inner)` cotangents (6% of a GPT step
+    on XLA:CPU), which makes those cotangents `sqrt(hidden) / 2**0.75` times larger,
+    enough for float16 gradients to overflow (the char-GPT's fp16 plain cast skips
+    most steps): use `fold_scales=False` (op by op) there, as
+    `TransformerDecoder(fold_mlp_scales=False)`. Linears given a bias or a
+    constraint (by `eqx.tree_at`) always run op by op. Call it on a whole batch
     `(..., hidden_size)`, not under `jax.vmap` (the weight gradients are scaled
     by `batch ** -0.5`).
 
@@ -75,6 +79,7 @@ class MLP(eqx.Module):
     linear_gate: Linear | None
     linear_2: Linear
     activation: Literal["silu_glu", "gelu"] = eqx.field(static=True)
+    fold_scales: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -82,8 +87,11 @@ class MLP(eqx.Module):
         expansion: int = 4,
         *,
         activation: Literal["silu_glu", "gelu"] = "silu_glu",
+        fold_scales: bool = True,
         key: PRNGKeyArray,
     ):
+        if not isinstance(fold_scales, bool):
+            raise TypeError(f"Expected a bool `fold_scales`, got {fold_scales!r}.")
         if activation not in ("silu_glu", "gelu"):
             raise ValueError(
                 f"Expected `activation` 'silu_glu' or 'gelu', got {activation!r}."
@@ -95,13 +103,13 @@ class MLP(eqx.Module):
         gated = activation == "silu_glu"
         self.linear_gate = Linear(hidden_size, inner, **kw, key=kg) if gated else None
         self.linear_2 = Linear(inner, hidden_size, **kw, key=k2)
-        self.activation = activation
+        self.activation, self.fold_scales = activation, fold_scales
 
     def __call__(
         self, x: Float[Array, "... hidden"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "... hidden"]:
         linears = (self.linear_1, self.linear_gate, self.linear_2)
-        if self.linear_gate is not None and all(_plain(lin) for lin in linears):
+        if self.fold_scales and folds(*linears):
             return swiglu_mlp(x, *(lin.weight for lin in linears))
         h = _scoped("linear_1", self.linear_1, x)  # (..., inner)
         if self.linear_gate is not None:
@@ -109,11 +117,6 @@ class MLP(eqx.Module):
         else:
             h = gelu(h)
         return _scoped("linear_2", self.linear_2, h)
-
-
-def _plain(linear: Linear) -> bool:
-    # As `MLP` builds its linears: `swiglu_mlp` computes exactly these.
-    return linear.bias is None and linear.constraint is None
 
 
 class MHSA(eqx.Module):
@@ -230,6 +233,7 @@ class TransformerLayer(eqx.Module):
         dropout_p: float = 0.0,
         stream_scale: float | None = None,
         inference: bool = False,
+        fold_mlp_scales: bool = True,
         key: PRNGKeyArray,
     ):
         check_stream_scale(stream_scale)
@@ -237,7 +241,7 @@ class TransformerLayer(eqx.Module):
         self.mhsa_norm = RMSNorm(hidden_size)
         self.mhsa = MHSA(hidden_size, heads, is_causal=is_causal, key=kattn)
         self.mlp_norm = RMSNorm(hidden_size)
-        self.mlp = MLP(hidden_size, key=kmlp)
+        self.mlp = MLP(hidden_size, fold_scales=fold_mlp_scales, key=kmlp)
         self.mhsa_tau, self.mlp_tau = mhsa_tau, mlp_tau
         self.dropout_p, self.inference = dropout_p, inference
         self.stream_scale = stream_scale
@@ -345,6 +349,7 @@ class TransformerDecoder(eqx.Module):
         *,
         dropout_p: float = 0.0,
         residual_scaling: Callable[[int, int], float] | None = None,
+        fold_mlp_scales: bool = True,
         key: PRNGKeyArray,
     ):
         tau = residual_scaling or transformer_residual_scaling_rule()
@@ -365,6 +370,7 @@ class TransformerDecoder(eqx.Module):
                     is_causal=True,
                     dropout_p=dropout_p,
                     stream_scale=scales[2 * i],
+                    fold_mlp_scales=fold_mlp_scales,
                     key=k,
                 )
                 for i, k in enumerate(klayers)
