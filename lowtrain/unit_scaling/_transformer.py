@@ -54,7 +54,7 @@ class MLP(eqx.Module):
     the one of `linear_2` (`sqrt(inner / hidden)`), so the input gradient is the
     true one. The SwiGLU form runs as `swiglu_mlp` (`fold_scales=True`): the same
     values and gradients, with the up-projections' backward constant on the weight
-    and input gradients instead of their `(..., inner)` cotangents (6% of a GPT step
+    and input gradients instead of their `(..., inner)` cotangents (5% of a GPT step
     on XLA:CPU), which makes those cotangents `sqrt(hidden) / 2**0.75` times larger,
     enough for float16 gradients to overflow (the char-GPT's fp16 plain cast skips
     most steps): use `fold_scales=False` (op by op) there, as
