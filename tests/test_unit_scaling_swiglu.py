@@ -136,7 +136,7 @@ def test_fold_scales_false_runs_op_by_op(data):
     folded = uu.MLP(64, key=jax.random.key(0))
     _, (_, folded_gx) = loss_and_grads(lambda m, x: m(x), folded, x, cot)
     assert not np.array_equal(folded_gx, rx)
-    with pytest.raises(TypeError, match="bool `fold_scales`, got 'no'"):
+    with pytest.raises(TypeError, match="`fold_scales` True or False, got 'no'"):
         uu.MLP(64, fold_scales="no", key=jax.random.key(0))
 
 

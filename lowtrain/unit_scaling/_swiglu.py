@@ -50,7 +50,9 @@ def swiglu_mlp(
     unit-scaled `h` enter the matmuls as op by op. The one difference: the
     cotangents at the outputs of the two up-projection matmuls (what
     `simulate_fp8` rounds to E5M2) are the op-by-op ones divided by
-    `hidden ** -0.5 * s` (about 6.7 at width 128), still far inside E5M2's range.
+    `hidden ** -0.5 * s` (about 6.7 at width 128), still far inside E5M2's range,
+    but enough for float16 gradients to overflow: `uu.MLP(fold_scales=False)` runs
+    the MLP op by op instead.
     """
     for w in (weight_1, weight_gate):
         _check_linear(x, w, None, "linear")

@@ -91,7 +91,10 @@ class MLP(eqx.Module):
         key: PRNGKeyArray,
     ):
         if not isinstance(fold_scales, bool):
-            raise TypeError(f"Expected a bool `fold_scales`, got {fold_scales!r}.")
+            raise TypeError(
+                f"Expected `fold_scales` True or False, got {fold_scales!r} instead "
+                "(False: op by op, for float16)."
+            )
         if activation not in ("silu_glu", "gelu"):
             raise ValueError(
                 f"Expected `activation` 'silu_glu' or 'gelu', got {activation!r}."
