@@ -43,6 +43,7 @@ from benchlib import models, report, timing
 
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
+from lowtrain.unit_scaling._residual import next_stream_scale
 
 ROUND = 5
 BATCH = 32  # the recipes' trainer.batch_size
@@ -116,9 +117,9 @@ def ablation_loss(part: str):
             part, lambda z: _plain_mlp(mlp, z)
         )
         h = residual(lambda z: attn(norm(z)), h, layer.mhsa_tau, c)
-        c *= (1 + layer.mhsa_tau**2) ** 0.5
+        c = next_stream_scale(c, layer.mhsa_tau)
         h = residual(lambda z: ffn(norm(z)), h, layer.mlp_tau, c)
-        return h, c * (1 + layer.mlp_tau**2) ** 0.5
+        return h, next_stream_scale(c, layer.mlp_tau)
 
     def loss(model, x, y):
         table = model.embedding.weight

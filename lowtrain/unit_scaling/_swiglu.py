@@ -57,15 +57,17 @@ def swiglu_mlp(
     for w in (weight_1, weight_gate):
         _check_linear(x, w, None, "linear")
     inner, hidden = weight_1.shape
+    # `weight_2` takes the `(..., inner)` gated output.
     _check_linear(jax.ShapeDtypeStruct((inner,), x.dtype), weight_2, None, "linear")
+    s = glu_scale()
     in_scale = hidden**-0.5  # the up-projections' output scale
-    ct_scale = hidden**-0.5 * glu_scale()  # the gated unit's backward scale
+    ct_scale = hidden**-0.5 * s  # the gated unit's backward scale
     w_scale = leading_size(x, 1) ** -0.5
     x = scale_bwd(x, inner**-0.5 * ct_scale)
     with jax.named_scope("linear_1"):
         a = x @ scale_bwd(weight_1, w_scale * ct_scale).T
     with jax.named_scope("linear_gate"):
         g = x @ scale_bwd(weight_gate, w_scale * ct_scale).T
-    h = scale_fwd(a * jax.nn.silu(g * in_scale), in_scale * glu_scale())
+    h = scale_fwd(a * jax.nn.silu(g * in_scale), in_scale * s)
     with jax.named_scope("linear_2"):
         return scale_fwd(h @ scale_bwd(weight_2, w_scale).T, inner**-0.5)

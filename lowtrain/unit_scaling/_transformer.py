@@ -52,16 +52,14 @@ class MLP(eqx.Module):
     Its linears use `constraint=None`: each keeps unit output and unit gradient
     scales apart, and the mismatch of `linear_1` (`sqrt(hidden / inner)`) cancels
     the one of `linear_2` (`sqrt(inner / hidden)`), so the input gradient is the
-    true one. The SwiGLU form runs as `swiglu_mlp` (`fold_scales=True`): the same
-    values and gradients, with the up-projections' backward constant on the weight
-    and input gradients instead of their `(..., inner)` cotangents (5% of a GPT step
-    on XLA:CPU), which makes those cotangents `sqrt(hidden) / 2**0.75` times larger,
-    enough for float16 gradients to overflow (the char-GPT's fp16 plain cast skips
-    most steps): use `fold_scales=False` (op by op) there, as
-    `TransformerDecoder(fold_mlp_scales=False)`. Linears given a bias or a
-    constraint (by `eqx.tree_at`) always run op by op. Call it on a whole batch
-    `(..., hidden_size)`, not under `jax.vmap` (the weight gradients are scaled
-    by `batch ** -0.5`).
+    true one. With `fold_scales=True` the SwiGLU form runs as `swiglu_mlp`: the same
+    values and gradients, the up-projections' backward constant on the weight and
+    input gradients instead of their `(..., inner)` cotangents (5% of a GPT step on
+    XLA:CPU), which makes those `sqrt(hidden) / 2**0.75` times larger: float16
+    gradients overflow, so use `fold_scales=False` (op by op) there. Linears given a
+    bias or a constraint (by `eqx.tree_at`) always run op by op. Call it on a whole
+    batch `(..., hidden_size)`, not under `jax.vmap` (the weight gradients are
+    scaled by `batch ** -0.5`).
 
     ```python
     import jax
@@ -203,6 +201,7 @@ class TransformerLayer(eqx.Module):
     itself (the pre-norms make the branches blind to it). Same model, same branch
     gradients; the residual gradient of a deep stack stays a plain sum, which
     XLA fuses better. `None` (the default): unit-scaled in and out.
+    `fold_mlp_scales` is the MLP's `fold_scales` (`False` for float16).
 
     ```python
     import jax
@@ -320,7 +319,8 @@ class TransformerDecoder(eqx.Module):
     no positional embedding (causal attention still tells positions apart). The
     layers pass the residual stream on without normalising it at each add
     (`TransformerLayer(stream_scale=...)`; the final norm does it once): the same
-    model and gradients, and a faster step.
+    model and gradients, and a faster step. `fold_mlp_scales=False` runs the MLPs
+    op by op (`MLP(fold_scales=False)`: for float16).
 
     Call it on a whole batch of integer tokens `(..., seq)`, not under `jax.vmap`;
     it returns logits `(..., seq, vocab_size)`. `loss(tokens)` is the mean
