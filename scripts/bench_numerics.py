@@ -8,7 +8,8 @@ same Python function (`benchlib.timing.make_step`: forward, gradient, an
 `optax.adam` update) jitted with `eqx.filter_jit`; the tracked one is
 `lowtrain.numerics.track(step)` and its time includes building the `Report` on the
 host (every float tensor of the forward, backward and update). Medians of
-interleaved rounds, in one process; the ratio is what we report.
+interleaved rounds, in one process; the ratio is what we report. The compile
+times are a lower + compile of each program, before any is run.
 
     python scripts/bench_numerics.py            # a few minutes on 2 CPU cores
     python scripts/bench_numerics.py --quick
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import equinox as eqx
 import jax
@@ -25,6 +27,13 @@ import optax
 from benchlib import models, report, timing
 
 import lowtrain.numerics
+from lowtrain.numerics._track import _tracked_call
+
+
+def _compile_seconds(jitted, *args) -> float:
+    start = time.perf_counter()
+    jitted.lower(*args).compile()
+    return time.perf_counter() - start
 
 
 def main():
@@ -46,6 +55,10 @@ def main():
     fns = {"plain": eqx.filter_jit(step), "tracked": run_tracked}
     state = (case.model, opt.init(eqx.filter(case.model, eqx.is_inexact_array)))
     with jax.numpy_dtype_promotion("standard"):
+        compile_plain = _compile_seconds(fns["plain"], *state, *case.batch)
+        compile_tracked = _compile_seconds(
+            _tracked_call, step, (*state, *case.batch), {}
+        )
         times, _ = timing.interleaved(
             fns,
             {"plain": state, "tracked": state},
@@ -61,10 +74,11 @@ def main():
                 f"Machine: {report.machine()}",
                 "",
                 "| step | timed steps | plain (ms) | tracked (ms) | tracked / plain "
-                "| report rows |",
-                "|---|---:|---:|---:|---:|---:|",
+                "| report rows | compile plain / tracked (s) |",
+                "|---|---:|---:|---:|---:|---:|---:|",
                 f"| {case.name}, float32 | {len(times['plain'])} | {1e3 * plain:.1f} "
-                f"| {1e3 * track:.1f} | **{track / plain:.2f}** | {rows[-1]} |",
+                f"| {1e3 * track:.1f} | **{track / plain:.2f}** | {rows[-1]} "
+                f"| {compile_plain:.1f} / {compile_tracked:.1f} |",
             ]
         )
     )

@@ -54,6 +54,11 @@ CHUNK = 1024  # values per chunk of `batch_stats`
 # next step's instead of being mapped (and page-faulted) afresh: measured on the GPT
 # step of scripts/bench_numerics.py, 2**22 1.8x, 2**23 2.4x, one group 2.1x.
 GROUP = 2**22
+# Tensors of this many values or more are read where they lie, not copied into a
+# group: on the same GPT step, 2**16 1.18-1.28x, 2**17 1.26-1.28x, 2**18
+# 1.33-1.37x, with 20-21 s, 17-19 s and 16 s to compile the tracked step (1.75-1.98x
+# and 11 s copying every tensor; 2 s the plain step).
+ALONE = 2**17
 
 
 def _bits(value: float) -> int:
@@ -178,6 +183,9 @@ def _padded(x: Array) -> Float[Array, " n"]:
 # computed only when some chunk needs them.
 SCALES = (100, 39, -70)
 SPLITS = (2.0**-60, 2.0**19)
+# The smallest bit pattern of `|x|` for which a chunk needs its high-scale sum or
+# counts an overflow or a NaN: below it, those are zero.
+_HIGH_FROM = int(min(_LOWEST[len(FORMATS) + 1 :].min(), _bits(SPLITS[1])))
 
 
 def _add(p, q):
@@ -185,14 +193,14 @@ def _add(p, q):
 
 
 def _chunk_sums(v: Float[Array, " n"]):
-    """Per chunk of `v` (float32, whole chunks): the largest `|x|`, the sums of squares
-    at the second and third of SCALES, and the number of values at or past each of
-    `_LOWEST`.
+    """Per chunk of `v` (float32, whole chunks): the largest `|x|`, the sum of squares
+    at the middle of SCALES, and the number of values at or past each of the first
+    `len(FORMATS) + 1` of `_LOWEST` (nonzero, not lost to underflow).
 
-    Two variadic reductions, each reading `v` itself, so that XLA's CPU backend
-    fuses each with the reads and vectorises both: it does so for an integer
-    maximum (of the bit patterns), integer counts and one float sum per reduction,
-    not for a float maximum or two float sums.
+    One variadic reduction, reading `v` itself: XLA's CPU backend fuses it with the
+    reads and vectorises it, as it does for an integer maximum (of the bit
+    patterns), integer counts and one float sum, not for a float maximum or two
+    float sums.
     """
     k = len(FORMATS) + 1
     bits = (lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF).reshape(-1, CHUNK)
@@ -205,14 +213,21 @@ def _chunk_sums(v: Float[Array, " n"]):
         return [jnp.maximum(p[0], q[0])] + _add(p[1:], q[1:])
 
     top, mid, *counts = lax.reduce(operands, init, first, (1,))
-    a = jnp.abs(v).reshape(-1, CHUNK)  # another expression: not shared, not stored
+    return top, mid, jnp.stack(counts, 1)
+
+
+def _high_sums(v: Float[Array, " n"]):
+    """Per chunk of `v`: the sum of squares at the last of SCALES and the counts of
+    the rest of `_LOWEST` (overflow per format, NaN). A second reduction, needed
+    only where some chunk's maximum reaches `_HIGH_FROM` (else all zero)."""
+    k = len(FORMATS) + 1
+    a = jnp.abs(v).reshape(-1, CHUNK)
     bits = lax.bitcast_convert_type(a, jnp.int32)
     operands = [jnp.square(a * np.float32(2.0 ** SCALES[2]))]
     operands += [_at_least(bits, int(lowest)) for lowest in _LOWEST[k:]]
     init = [np.float32(0)] + [np.int32(0)] * (len(_LOWEST) - k)
     high, *more = lax.reduce(operands, init, _add, (1,))
-    chunk_max = lax.bitcast_convert_type(top, jnp.float32)
-    return chunk_max, mid, high, jnp.stack(counts + more, 1)
+    return high, jnp.stack(more, 1)
 
 
 def _low_sums(v: Float[Array, " n"]) -> Float[Array, " chunks"]:
@@ -220,51 +235,98 @@ def _low_sums(v: Float[Array, " n"]) -> Float[Array, " chunks"]:
     return jnp.sum(jnp.square(scaled), 1)
 
 
+def _read_materialised(fn, xs: list, n_chunks: int):
+    """`fn(xs)`, inside a `cond` whose predicate is always true at run time but not
+    known to the compiler, so that XLA reads each of `xs` from memory: otherwise it
+    fuses the ops that make a tensor into the statistics' reductions and computes
+    them again there, unvectorised (measured on the GPT step of
+    scripts/bench_numerics.py: 1.60x the plain step with it, 1.98x without;
+    reading the large tensors in place instead of copying them, 1.25x with it,
+    1.9-2.1x without). The other branch never runs; were it to, every statistic
+    would be NaN, not wrong.
+    """
+    first = next((x for x in xs if x.size), None)
+    if first is None:
+        return fn(xs)
+    bits = lax.bitcast_convert_type(first.reshape(-1)[0].astype(jnp.float32), jnp.int32)
+
+    def never(xs):
+        nan = jnp.full(n_chunks, np.nan, jnp.float32)
+        counts = jnp.zeros((n_chunks, len(_LOWEST)), jnp.int32)
+        return nan, nan, nan, counts, nan
+
+    return lax.cond((bits | 1) != 0, fn, never, xs)
+
+
 def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
     """The `(moments, counts)` record of each of `xs`, stacked.
 
     Each tensor is read in chunks of `CHUNK` values (dense reductions per chunk, see
     `_chunk_sums`), the chunks' results then combined per tensor (segment ops over
-    the few chunks). Consecutive tensors are concatenated in groups of up to
-    `GROUP` values, so that XLA compiles two reductions per group instead of two per
-    tensor (reading each tensor where it is compiled 2x slower, for no faster step).
+    the few chunks). Tensors of `ALONE` values or more are read where they lie;
+    smaller consecutive ones are concatenated in groups of up to `GROUP` values, so
+    that XLA compiles one reduction per group instead of one per small tensor.
     """
     n = len(xs)
     sizes = [x.size for x in xs]
-    # Groups of consecutive tensors of up to GROUP values, concatenated (a tensor
-    # of GROUP values or more alone, not copied).
-    groups: list[list[int]] = [[]]
-    filled = 0  # values in the last group
+    groups: list[list[int]] = []
+    current: list[int] | None = None  # the group small tensors join
+    filled = 0  # values in it
     for i, s in enumerate(sizes):
-        if groups[-1] and filled + s > GROUP:
-            groups.append([])
-            filled = 0
-        groups[-1].append(i)
+        if s >= ALONE:
+            groups.append([i])
+            current = None
+            continue
+        if current is None or filled + s > GROUP:
+            current, filled = [], 0
+            groups.append(current)
+        current.append(i)
         filled += s
-    parts = [
-        _padded(xs[g[0]])
-        if len(g) == 1
-        else jnp.concatenate([_padded(xs[i]) for i in g])
-        for g in groups
-    ]
-    chunk_max, mid, high, chunk_counts = (
-        jnp.concatenate(r) for r in zip(*(_chunk_sums(v) for v in parts))
+
+    def chunk_pass(xs):
+        parts = [
+            _padded(xs[g[0]])
+            if len(g) == 1
+            else jnp.concatenate([_padded(xs[i]) for i in g])
+            for g in groups
+        ]
+        top, mid, counts = (
+            jnp.concatenate(r) for r in zip(*(_chunk_sums(v) for v in parts))
+        )
+        chunk_max = lax.bitcast_convert_type(top, jnp.float32)
+        # The second reduction only if some chunk has values past _HIGH_FROM (in
+        # most batches of tensors none has: all zero), the third only if some chunk
+        # is tiny (below SPLITS[0]).
+        n_more = len(_LOWEST) - counts.shape[1]
+        high, more = lax.cond(
+            jnp.any(top >= _HIGH_FROM),
+            lambda: tuple(
+                jnp.concatenate(r) for r in zip(*(_high_sums(v) for v in parts))
+            ),
+            lambda: (jnp.zeros_like(mid), jnp.zeros((mid.size, n_more), jnp.int32)),
+        )
+        chunk_counts = jnp.concatenate([counts, more], 1)
+        tiny = (chunk_max > 0) & (chunk_max < SPLITS[0])
+        low = lax.cond(
+            jnp.any(tiny),
+            lambda: jnp.concatenate([_low_sums(v) for v in parts]),
+            lambda: jnp.zeros_like(mid),
+        )
+        return chunk_max, mid, high, chunk_counts, low
+
+    owner = np.concatenate(
+        [np.full(_chunks(sizes[i]), i, np.int32) for g in groups for i in g]
     )
-    # Each chunk's sum of squares at its scale, over its maximum (0 for zeros).
-    tiny = (chunk_max > 0) & (chunk_max < SPLITS[0])
-    low = lax.cond(
-        jnp.any(tiny),
-        lambda: jnp.concatenate([_low_sums(v) for v in parts]),
-        lambda: jnp.zeros_like(mid),
+    chunk_max, mid, high, chunk_counts, low = _read_materialised(
+        chunk_pass, list(xs), owner.size
     )
-    which = jnp.searchsorted(jnp.asarray(np.float32(SPLITS)), chunk_max, side="right")
+    # Each chunk's sum of squares at its scale, over its maximum (0 for zeros). The
+    # scale's index is the number of SPLITS at or below the maximum (2 for a NaN).
+    which = sum((~(chunk_max < np.float32(t))).astype(jnp.int32) for t in SPLITS)
     scale = jnp.asarray(np.float32([2.0**e for e in SCALES]))[which]
     ref = jnp.where(chunk_max > 0, chunk_max, 1.0) * scale  # ref**2 is normal
     chunk_sq = jnp.stack([low, mid, high], 1)[jnp.arange(which.size), which]
     chunk_sq = chunk_sq / (ref * ref)
-    owner = np.concatenate(
-        [np.full(_chunks(sizes[i]), i, np.int32) for g in groups for i in g]
-    )
     seg = dict(segment_ids=owner, num_segments=n, indices_are_sorted=True)
     absmax = jnp.maximum(jax.ops.segment_max(chunk_max, **seg), 0.0)
     top = jnp.where(absmax > 0, absmax, 1.0)[owner]

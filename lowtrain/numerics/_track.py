@@ -30,7 +30,7 @@ from .. import _compat
 from .._eqn import Eqn, is_float
 from .._interpret import FlatCall, Interpreter
 from ._report import Report
-from ._stats import batch_stats, empty_stats, merge, merge_stacked
+from ._stats import GROUP, batch_stats, empty_stats, merge, merge_stacked
 
 
 def _name_stacks(closed, out: dict) -> dict:
@@ -56,7 +56,17 @@ class _TrackInterpreter(Interpreter):
     def __init__(self, stacks: dict):
         self.stacks = stacks
         self.records: list = []  # (meta, (moments, counts)) in program order
+        self.raw = 0  # values of the records whose statistics are still to compute
         self.bwd = False
+
+    def record(self, meta, value) -> None:
+        # Statistics are taken as soon as GROUP values wait for them, so that a
+        # tensor's buffer can be freed (and reused) soon after it is made.
+        self.records.append((meta, value))
+        if not isinstance(value, tuple):
+            self.raw += value.size
+            if self.raw >= GROUP:
+                self.records, self.raw = _finish(self.records), 0
 
     def _is_bwd(self, eqn: Eqn) -> bool:
         stack = self.stacks.get(eqn.outvars[0], "") if eqn.outvars else ""
@@ -72,7 +82,7 @@ class _TrackInterpreter(Interpreter):
             if is_float(aval):
                 meta = (name, eqn.primitive.name, "bwd" if bwd else "fwd")
                 meta = (*meta, str(aval.dtype), tuple(aval.shape))
-                self.records.append((meta, out))  # statistics in `_finish`
+                self.record(meta, out)
         return outs
 
     def join(self, types):
@@ -84,12 +94,12 @@ class _TrackInterpreter(Interpreter):
     @contextlib.contextmanager
     def _sub(self, eqn: Eqn):
         # Evaluate a sub-program with its own record list; restore ours after.
-        saved, saved_bwd = self.records, self.bwd
-        self.records, self.bwd = [], self._is_bwd(eqn)
+        saved = self.records, self.raw, self.bwd
+        self.records, self.raw, self.bwd = [], 0, self._is_bwd(eqn)
         try:
             yield
         finally:
-            self.records, self.bwd = saved, saved_bwd
+            self.records, self.raw, self.bwd = saved
 
     def _run(self, eqn: Eqn, closed, args) -> tuple[list, list]:
         with self._sub(eqn):
@@ -112,7 +122,8 @@ class _TrackInterpreter(Interpreter):
         with self._sub(eqn):  # same trace: statistics at the end, with the rest
             outs = self.eval_jaxpr(sub, list(invals), eqn.scopes, memo=eqn.memo)
             records = self.records
-        self.records.extend(records)
+        for meta, value in records:
+            self.record(meta, value)
         return outs
 
     def _scan(self, eqn: Eqn, *args):
@@ -139,7 +150,7 @@ class _TrackInterpreter(Interpreter):
             unroll=p["unroll"],
         )
         for meta, (moments, counts) in zip(metas, stats):
-            self.records.append((meta, merge_stacked(moments, counts)))
+            self.record(meta, merge_stacked(moments, counts))
         return [*carry, *ys]
 
     def _while(self, eqn: Eqn, *args):
@@ -218,7 +229,7 @@ def _tracked_call(fn, args, kwargs):
     for path, x in zip(paths, call.inputs):
         if is_float(x):
             meta = (f"input{path}", "input", "fwd", str(x.dtype), tuple(x.shape))
-            interp.records.append((meta, x))
+            interp.record(meta, x)
     outs = interp.eval_jaxpr(closed, call.inputs)
     records = _finish(interp.records)
     metas = tuple(m for m, _ in records)
@@ -253,11 +264,14 @@ def track(fn: Callable) -> Callable[..., tuple[Any, Report]]:
     its program makes, as a `lowtrain.numerics.Report`.
 
     `fn` is traced at the types it is called with and run, compiled, with every
-    equation as written, so the outputs are `fn`'s: bitwise as under `jax.jit` for a
-    float32 program; with float16/bfloat16 intermediates, to their rounding (XLA may
-    keep those in float32 inside a fusion, `xla_allow_excess_precision`, and reading
-    them for statistics changes the fusions; bitwise again with
-    `XLA_FLAGS=--xla_allow_excess_precision=false`).
+    equation as written, so the outputs are `fn`'s values, to float rounding: the
+    statistics read every intermediate tensor, which changes how XLA fuses the
+    program, so a matmul or a reduction may add in another order and a fused
+    function (tanh, exp) take another kernel, a few units in the last place (within
+    2e-6 of the largest value in the float32 gradients of a GPT, measured). A
+    program of elementwise float32 ops is bitwise as under `jax.jit`. Float16 and
+    bfloat16 intermediates differ up to their rounding (XLA may keep those in
+    float32 inside a fusion, `xla_allow_excess_precision`).
     Each float input (`primitive` "input", `name` "input" and its path in `(fn,
     args, kwargs)`, e.g. `"input[1][0].weight"`), and each float output of each
     equation (but those that only move values: reshape, transpose, broadcast, ...)
