@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, ArrayLike
 
 POW2_MODES = ("down", "up", "none")
@@ -11,8 +12,9 @@ POW2_MODES = ("down", "up", "none")
 def pow2_round(x: ArrayLike, mode: str = "down") -> Array:
     """Round positive `x` to a power of two: "down" (the largest power of two <= x),
     "up" (the smallest >= x) or "none" (unchanged). Zero and non-finite values pass
-    through. Exact (`frexp`/`ldexp`; `exp2(floor(log2 x))` is not, on every backend).
-    Power-of-two scales make rescaling exact in every float format.
+    through. Exact, subnormals included (computed on the bit pattern; `exp2(floor(log2
+    x))` is not exact on every backend). Power-of-two scales make rescaling exact in
+    every float format.
 
     ```python
     import lowtrain.scalify as scalify
@@ -28,8 +30,24 @@ def pow2_round(x: ArrayLike, mode: str = "down") -> Array:
     x = jnp.asarray(x, jnp.float32)
     if mode == "none":
         return x
-    mantissa, exponent = jnp.frexp(x)  # x = mantissa * 2**exponent, 0.5 <= m < 1
-    down = jnp.ldexp(jnp.ones_like(x), exponent - 1)
-    rounded = down if mode == "down" else jnp.where(mantissa == 0.5, x, 2 * down)
-    ok = jnp.isfinite(x) & (x > 0)
+    # On the float32 bit pattern, in integer arithmetic (a handful of ops that XLA
+    # fuses into their consumers; float arithmetic would flush subnormals on CPU): a
+    # normal number's power of two below it clears its mantissa; a subnormal's is
+    # its highest set bit.
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    normal = bits >= _SMALLEST_NORMAL
+    top = lax.shift_left(jnp.int32(1), 31 - lax.clz(bits))
+    down = jnp.where(normal, bits & _EXPONENT, top)
+    if mode == "up":
+        # The next power of two: one exponent step up (a subnormal's: one bit up,
+        # which reaches the smallest normal exactly; float32's largest: inf).
+        up = jnp.where(normal, down + _SMALLEST_NORMAL, lax.shift_left(down, 1))
+        down = jnp.where(down == bits, bits, up)
+    rounded = lax.bitcast_convert_type(down, jnp.float32)
+    ok = (bits > 0) & (bits < _INF)  # positive and finite
     return jnp.where(ok, rounded, x)
+
+
+_EXPONENT = 0x7F800000  # float32's exponent bits; the sign is 0 where used
+_SMALLEST_NORMAL = 0x00800000  # 2**-126, one step of the exponent field
+_INF = 0x7F800000

@@ -27,7 +27,7 @@ from .helpers import (
     tiny_mlp,
 )
 
-F16 = jnp.float16
+F16, F32 = jnp.float16, jnp.float32
 BIG, TINY = 1e6, 1e-9  # float16 holds neither (max 65504, smallest subnormal 6e-8)
 
 
@@ -226,6 +226,51 @@ def test_pow2_modes(mode, expected):
     out = sc.scalify(lambda a: a @ a, pow2=mode)(x)
     expected = {"down": 4.0, "up": 8.0, "none": 2.0 * 2.0 * 2**0.5}[mode]
     assert float(out.scale) == pytest.approx(expected, rel=1e-6)
+
+
+def _pow2_reference(x: np.ndarray, mode: str) -> np.ndarray:
+    # numpy's frexp in float64 (exact for every float32, subnormals included).
+    out = x.astype(np.float64)
+    ok = np.isfinite(x) & (x > 0)
+    mantissa, exponent = np.frexp(out[ok])
+    down = np.ldexp(1.0, exponent - 1)
+    out[ok] = down if mode == "down" else np.where(mantissa == 0.5, out[ok], 2 * down)
+    with np.errstate(over="ignore"):
+        return out.astype(np.float32)
+
+
+@pytest.mark.parametrize("mode", ["down", "up"])
+def test_pow2_round_is_exact_for_every_float32(mode):
+    # Random bit patterns over all positive floats, float32's subnormals and largest
+    # values, every power of two and its successor, zero, inf, NaN, negatives.
+    rng = np.random.default_rng(0)
+    bits = np.concatenate(
+        [
+            rng.integers(0, 0x7F800000, 100_000),
+            np.arange(0, 3000),
+            np.arange(0x7F800000 - 3000, 0x7F800000),
+            [1 << k for k in range(31)],
+            [(1 << k) + 1 for k in range(31)],
+            [0x7F800000, 0x7FC00000, 0x80000001, 0xBF800000],
+        ]
+    ).astype(np.uint32)
+    x = bits.view(np.float32)
+    got = np.asarray(jax.jit(lambda v: sc.pow2_round(v, mode))(x))
+    want = _pow2_reference(x, mode)
+    same = (got.view(np.uint32) == want.view(np.uint32)) | (
+        np.isnan(got) & np.isnan(want)
+    )
+    assert same.all(), x[~same][:5]
+
+
+def test_auto_rescale_multiplies_exactly():
+    # `fit` multiplies by the reciprocal of a power-of-two factor: bitwise the
+    # division, and the values kept (a dot whose data leave the band).
+    x = sc.as_scaled_array(jnp.full((4, 64), 30.0), dtype=F16)
+    for mode in ("down", "up"):
+        out = sc.scalify(lambda a: a @ a.T, pow2=mode)(x)
+        assert 0.5 <= float(jnp.sqrt(jnp.mean(out.data.astype(F32) ** 2))) < 2
+        np.testing.assert_array_equal(out.to_array(F32), jnp.full((4, 4), 57600.0))
 
 
 def _relu_matmul(x, w):

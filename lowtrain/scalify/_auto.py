@@ -61,5 +61,12 @@ def fit(ctx: Ctx, eqn: Eqn, data_f32, scale, i: int = 0) -> ScaledArray:
         rms = jnp.sqrt(jnp.mean(jnp.square(finite)))
         off = (rms > 0) & ((rms < 1 / BAND) | (rms > BAND))
         factor = ctx.pow2(jnp.where(off, rms, 1.0))
-        data_f32, scale = data_f32 / factor, scale * factor
+        if ctx.pow2_mode == "none":
+            data_f32 = data_f32 / factor
+        else:
+            # A power of two in float32's normal range: its reciprocal is exact, so
+            # multiplying by it is the division, at a fraction of the cost.
+            factor = jnp.clip(factor, 2.0**-126, 2.0**126)
+            data_f32 = data_f32 * (1.0 / factor)
+        scale = scale * factor
     return ScaledArray(data_f32.astype(eqn.out_avals[i].dtype), scale)
