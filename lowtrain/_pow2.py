@@ -44,10 +44,9 @@ def pow2_round(x: ArrayLike, mode: str = "down") -> Array:
         up = jnp.where(normal, down + _SMALLEST_NORMAL, lax.shift_left(down, 1))
         down = jnp.where(down == bits, bits, up)
     rounded = lax.bitcast_convert_type(down, jnp.float32)
-    ok = (bits > 0) & (bits < _INF)  # positive and finite
+    ok = (bits > 0) & (bits < _EXPONENT)  # positive and finite (below +inf's bits)
     return jnp.where(ok, rounded, x)
 
 
-_EXPONENT = 0x7F800000  # float32's exponent bits; the sign is 0 where used
+_EXPONENT = 0x7F800000  # float32's exponent bits, +inf's bit pattern; sign 0 here
 _SMALLEST_NORMAL = 0x00800000  # 2**-126, one step of the exponent field
-_INF = 0x7F800000

@@ -235,26 +235,20 @@ def _low_sums(v: Float[Array, " n"]) -> Float[Array, " chunks"]:
     return jnp.sum(jnp.square(scaled), 1)
 
 
-def _read_materialised(fn, xs: list, n_chunks: int):
+def _read_materialised(fn, never, xs: list):
     """`fn(xs)`, inside a `cond` whose predicate is always true at run time but not
     known to the compiler, so that XLA reads each of `xs` from memory: otherwise it
     fuses the ops that make a tensor into the statistics' reductions and computes
     them again there, unvectorised (measured on the GPT step of
     scripts/bench_numerics.py: 1.60x the plain step with it, 1.98x without;
     reading the large tensors in place instead of copying them, 1.25x with it,
-    1.9-2.1x without). The other branch never runs; were it to, every statistic
-    would be NaN, not wrong.
+    1.9-2.1x without). `never(xs)`, the other branch, never runs; it returns
+    what `fn` does, in values no statistic could be mistaken for (NaN).
     """
     first = next((x for x in xs if x.size), None)
     if first is None:
         return fn(xs)
     bits = lax.bitcast_convert_type(first.reshape(-1)[0].astype(jnp.float32), jnp.int32)
-
-    def never(xs):
-        nan = jnp.full(n_chunks, np.nan, jnp.float32)
-        counts = jnp.zeros((n_chunks, len(_LOWEST)), jnp.int32)
-        return nan, nan, nan, counts, nan
-
     return lax.cond((bits | 1) != 0, fn, never, xs)
 
 
@@ -283,6 +277,9 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
         current.append(i)
         filled += s
 
+    n_chunks = sum(_chunks(s) for s in sizes)
+    n_more = len(_LOWEST) - len(FORMATS) - 1  # the counts of `_high_sums`
+
     def chunk_pass(xs):
         parts = [
             _padded(xs[g[0]])
@@ -290,35 +287,35 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
             else jnp.concatenate([_padded(xs[i]) for i in g])
             for g in groups
         ]
-        top, mid, counts = (
-            jnp.concatenate(r) for r in zip(*(_chunk_sums(v) for v in parts))
-        )
-        chunk_max = lax.bitcast_convert_type(top, jnp.float32)
+
+        def per_chunk(fn):  # `fn` of every part, its results concatenated
+            return jax.tree.map(lambda *r: jnp.concatenate(r), *map(fn, parts))
+
+        top_bits, mid, counts = per_chunk(_chunk_sums)
         # The second reduction only if some chunk has values past _HIGH_FROM (in
         # most batches of tensors none has: all zero), the third only if some chunk
         # is tiny (below SPLITS[0]).
-        n_more = len(_LOWEST) - counts.shape[1]
         high, more = lax.cond(
-            jnp.any(top >= _HIGH_FROM),
-            lambda: tuple(
-                jnp.concatenate(r) for r in zip(*(_high_sums(v) for v in parts))
-            ),
-            lambda: (jnp.zeros_like(mid), jnp.zeros((mid.size, n_more), jnp.int32)),
+            jnp.any(top_bits >= _HIGH_FROM),
+            lambda: per_chunk(_high_sums),
+            lambda: (jnp.zeros_like(mid), jnp.zeros((n_chunks, n_more), jnp.int32)),
         )
-        chunk_counts = jnp.concatenate([counts, more], 1)
+        chunk_max = lax.bitcast_convert_type(top_bits, jnp.float32)
         tiny = (chunk_max > 0) & (chunk_max < SPLITS[0])
         low = lax.cond(
-            jnp.any(tiny),
-            lambda: jnp.concatenate([_low_sums(v) for v in parts]),
-            lambda: jnp.zeros_like(mid),
+            jnp.any(tiny), lambda: per_chunk(_low_sums), lambda: jnp.zeros_like(mid)
         )
-        return chunk_max, mid, high, chunk_counts, low
+        return chunk_max, mid, high, jnp.concatenate([counts, more], 1), low
 
+    def never(xs):
+        nan = jnp.full(n_chunks, np.nan, jnp.float32)
+        return nan, nan, nan, jnp.zeros((n_chunks, len(_LOWEST)), jnp.int32), nan
+
+    chunk_max, mid, high, chunk_counts, low = _read_materialised(
+        chunk_pass, never, list(xs)
+    )
     owner = np.concatenate(
         [np.full(_chunks(sizes[i]), i, np.int32) for g in groups for i in g]
-    )
-    chunk_max, mid, high, chunk_counts, low = _read_materialised(
-        chunk_pass, list(xs), owner.size
     )
     # Each chunk's sum of squares at its scale, over its maximum (0 for zeros). The
     # scale's index is the number of SPLITS at or below the maximum (2 for a NaN).
