@@ -23,7 +23,7 @@ from jax._src.ad_util import Zero as _Zero
 from jax._src.source_info_util import Scope as _Scope
 from jax._src.source_info_util import Transform as _Transform
 
-# JAX 0.10.2 (0.11 not checked: it needs Python >= 3.12): `summarize(source_info)`
+# JAX 0.10.2 and 0.11.2: `summarize(source_info)`
 # formats the innermost frame outside JAX as "file:line:column (function)".
 from jax._src.source_info_util import summarize as _summarize_source
 from jax._src.source_info_util import (
@@ -49,6 +49,8 @@ from jax.extend.core.primitives import remat_p as remat_p
 from jax.extend.core.primitives import scan_p as scan_p
 from jax.extend.core.primitives import while_p as while_p
 
+_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+
 # Every parameter each higher-order primitive carries, as emitted by JAX 0.10.2. The
 # interpreter rebuilds these ops with public APIs (`jax.jit`, `lax.scan`, ...) from the
 # parameters in USED_PARAMS; the rest are dropped on purpose: an inner jit's layouts,
@@ -73,9 +75,11 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
             "compiler_options_kvs",
         }
     ),
-    "scan": frozenset(
-        {"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"}
-    ),
+    # JAX 0.10: the constants and carry are counted by `num_consts`/`num_carry`;
+    # JAX 0.11: the input and output groups are `FlatTree`s `ft_in`/`ft_out` (read
+    # by `scan_counts`).
+    "scan": frozenset({"jaxpr", "length", "reverse", "unroll"})
+    | ({"num_consts", "num_carry"} if _JAX_VERSION < (0, 11) else {"ft_in", "ft_out"}),
     "while": frozenset({"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"}),
     "cond": frozenset({"branches"}),
     "remat2": frozenset({"jaxpr", "prevent_cse", "policy", "differentiated"}),
@@ -139,7 +143,7 @@ def enter_name_stack(eqn: JaxprEqn):
     """Re-enter `eqn`'s name stack on top of the current one: its `jax.named_scope`s
     and JAX's transform names (`transpose(...)` marks a backward pass), so a program
     an interpreter re-emits keeps both (`lowtrain.numerics` reads the pass from it)."""
-    # JAX 0.10.2 (0.11 not checked): `name_stack.stack` holds `Scope`s and
+    # JAX 0.10.2 and 0.11.2: `name_stack.stack` holds `Scope`s and
     # `Transform`s in order; `transform_name_stack` pushes a `Transform` as JAX's
     # `jvp`/`transpose` do.
     with contextlib.ExitStack() as stack:
@@ -155,16 +159,16 @@ def eqn_name_stack(eqn: JaxprEqn) -> str:
     """The name stack of `eqn` as JAX prints it, `jax.named_scope` names and
     transforms: `"jvp(outer)/inner"` for an op in `named_scope("inner")` inside
     `named_scope("outer")`, under `jax.jvp`; `""` for none."""
-    # JAX 0.10.2 (0.11 not checked: it needs Python >= 3.12; `tests/test_compat.py`
-    # says if it differs): `source_info.name_stack` is a `NameStack` whose `str` joins
-    # the scopes with "/" and wraps them in each transform's name.
+    # JAX 0.10.2 and 0.11.2 (`tests/test_compat.py` says if it differs):
+    # `source_info.name_stack` is a `NameStack` whose `str` joins the scopes with "/"
+    # and wraps them in each transform's name.
     return str(eqn.source_info.name_stack)
 
 
 def eqn_source_line(eqn: JaxprEqn) -> str:
     """Where `eqn` was traced, as `"path/file.py:line:column (function)"` (the form
     `jax.ad_checkpoint.print_saved_residuals` prints), user frames only."""
-    # JAX 0.10.2 (0.11 not checked): `source_info_util.summarize` picks the innermost
+    # JAX 0.10.2 and 0.11.2: `source_info_util.summarize` picks the innermost
     # frame outside JAX itself from the traceback JAX records on each equation.
     return _summarize_source(eqn.source_info)
 
@@ -172,7 +176,7 @@ def eqn_source_line(eqn: JaxprEqn) -> str:
 def short_type(aval) -> str:
     """An abstract value's type in JAX's short notation, such as `"f32[16,64]"` or
     `"bf16[]"` (as `print_saved_residuals` and jaxprs print them)."""
-    # JAX 0.10.2 (0.11 not checked): `ShapedArray.str_short(short_dtypes=True)`, a
+    # JAX 0.10.2 and 0.11.2: `ShapedArray.str_short(short_dtypes=True)`, a
     # method of JAX's internal `core.ShapedArray`.
     return aval.str_short(short_dtypes=True)
 
@@ -214,10 +218,22 @@ def custom_vjp_rule_parts(params: dict[str, Any], num_args: int) -> tuple:
     return ClosedJaxpr(jaxpr, consts), tuple(res_forwards), bwd
 
 
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a `scan` equation: its inputs are the constants,
+    then the initial carry, then the scanned `xs`; its outputs the final carry, then
+    the stacked `ys`."""
+    if "num_consts" in params:  # JAX 0.10: the two counts are parameters
+        return params["num_consts"], params["num_carry"]
+    # JAX 0.11: `ft_in` is a `FlatTree` packing the three groups (consts, carry, xs);
+    # iterating one group yields its leaves, one per input.
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
+
+
 def check_version() -> None:
     """Raise if the installed JAX is outside the range this module was written for."""
-    major, minor = (int(p) for p in jax.__version__.split(".")[:2])
-    if (major, minor) < (0, 10) or (major, minor) >= (0, 12):
+    version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    if not (0, 10) <= version < (0, 12):
         raise ImportError(
             f"lowtrain supports JAX 0.10.x and 0.11.x, got jax {jax.__version__} "
             "instead. Install a supported version: `pip install 'jax>=0.10,<0.12'`."

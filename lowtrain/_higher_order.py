@@ -64,7 +64,7 @@ def _remat_rule(interp, eqn: Eqn, *args):
 
 def _scan_rule(interp, eqn: Eqn, *args):
     p, values = eqn.params, interp.values
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = _compat.scan_counts(p)
     consts, init, xs = (
         args[:n_consts],
         args[n_consts : n_consts + n_carry],

@@ -3,10 +3,11 @@ char-GPT and a GPU-size GPT in every precision the recipes have.
 
 For each model (`gpt`: the recipes' char-GPT, 4 layers, width 128, context 64, batch
 32; `gpt_small`: `model=gpt_small`, GPT-2 small's shape, context 1024, vocabulary
-50304, on synthetic tokens) and precision (fp32, bf16, fp16, fp8, scalify_fp8 from
-`recipe=gpt_<precision>`; unit_fp32, unit_fp8: `model=gpt_unit` from
-`recipe=gpt_unit_fp32|fp8`), the Trainer is built as `python -m lowtrain` builds it
-(`scripts/benchlib/throughput.py`) and its compiled step is timed:
+50304, batch 16 (32 does not fit an 80 GB GPU in fp32), on synthetic tokens) and
+precision (fp32, bf16, fp16, fp8, scalify_fp8 from `recipe=gpt_<precision>`;
+unit_fp32, unit_fp8: `model=gpt_unit` from `recipe=gpt_unit_fp32|fp8`), the Trainer
+is built as `python -m lowtrain` builds it (`scripts/benchlib/throughput.py`) and its
+compiled step is timed:
 
 - step time: the median over `--steps` (>= 20) steps after warm-up, interleaved in
   rounds of 5 with the same step written by hand with explicit casts
@@ -20,12 +21,15 @@ For each model (`gpt`: the recipes' char-GPT, 4 layers, width 128, context 64, b
   step, each case in its own process; on a CPU XLA's memory analysis of the compiled
   step (arguments + outputs - donated + temporaries);
 - compile time: the step's first call (trace, compile and one step) minus its median;
-- FP8 GEMMs: on a GPU, the `__cublas$lt$matmul$f8` custom calls in the optimized HLO
-  against the `dot_general`s of the step (forward and backward);
+- FP8 GEMMs: on a GPU, the `__cublas$lt$matmul$f8` custom calls and the Triton GEMM
+  fusions of FP8 operands in the optimized HLO (XLA's autotuner picks either) against
+  the `dot_general`s of the step (forward and backward);
 - the Trainer's overhead (char-GPT only): `Trainer.fit` against a plain loop calling
   the same compiled step on the same data, interleaved (`benchlib/overhead.py`).
 
-Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`.
+Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`; with
+`--save-hlo DIR` each step's optimized HLO too. A case that fails (out of memory,
+say) is a table row saying why, and the script exits non-zero after the others.
 
     python scripts/bench.py                      # both models, every precision
     python scripts/bench.py --models gpt         # the char-GPT only (CPU-sized)
@@ -71,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="each case in its own process (auto: on a GPU, for peak memory)",
     )
+    parser.add_argument(
+        "--save-hlo", default=None, help="folder for each step's optimized HLO text"
+    )
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     args.precisions = args.precisions.split(",")
@@ -114,8 +121,13 @@ def measure(model_name: str, precision: str, args) -> dict:
         fns, states, (batch,), steps=args.steps, round_len=5, warmup=2
     )
     step = {name: statistics.median(ts) for name, ts in times.items()}
+    if args.save_hlo:  # to read what XLA made of the step (fusions, FP8 GEMMs)
+        folder = pathlib.Path(args.save_hlo)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{model_name}_{precision}.hlo.txt").write_text(hlo)
     if gpu:
-        fp8_gemms, dots = throughput.count_fp8_gemms(hlo, lowered)
+        cublaslt, triton, dots = throughput.count_fp8_gemms(hlo, lowered)
+        fp8_gemms = {"cublaslt": cublaslt, "triton": triton}
     else:
         memory, fp8_gemms, dots = throughput.analysis_bytes(analysis), None, None
     peak = throughput.peak_flops(precision)
@@ -159,9 +171,16 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
             *("--steps", str(args.steps), "--overhead-steps", str(args.overhead_steps)),
             *("--overhead-rounds", str(args.overhead_rounds)),
             *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
+            *(["--save-hlo", args.save_hlo] if args.save_hlo else []),
         ]
-        subprocess.run(command, check=True, stdout=sys.stderr)
-        return json.loads((pathlib.Path(out) / "bench.json").read_text())["rows"][0]
+        child = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE)
+        sys.stderr.write(child.stderr.decode(errors="replace"))
+        if child.returncode == 0:
+            return json.loads((pathlib.Path(out) / "bench.json").read_text())["rows"][0]
+    # A case that fails (out of memory, say) is a row saying why; the others run on.
+    lines = child.stderr.decode(errors="replace").strip().splitlines() or ["no output"]
+    error = f"exit {child.returncode}: {lines[-1][:300]}"
+    return {"model": model_name, "precision": precision, "error": error}
 
 
 def main(argv=None) -> None:
@@ -195,6 +214,8 @@ def main(argv=None) -> None:
         f"\nWrote {out}/bench.md, bench.json, bench.png "
         f"({time.perf_counter() - start:.0f} s)"
     )
+    if failed := [f"{r['model']}/{r['precision']}" for r in rows if "error" in r]:
+        sys.exit(f"{len(failed)} case(s) failed: {', '.join(failed)} (see the table)")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import pytest
 
 import lowtrain
 import lowtrain.fp8
+from lowtrain import _compat
 from lowtrain.recipes import _common
 from lowtrain.recipes._config import TrainerConfig
 from lowtrain.train._accumulate import micro_batches
@@ -57,7 +58,7 @@ def test_one_compiled_step_scans_the_micro_batches_in_float32():
     scans = eqns_of(trainer.train_step, state, batch, prim="scan")
     (scan,) = [e for e in scans if e.params["length"] == 4]
     # The carry: one float32 accumulator per parameter.
-    carry = scan.outvars[: scan.params["num_carry"]]
+    carry = scan.outvars[: _compat.scan_counts(scan.params)[1]]
     n_params = len(jax.tree.leaves(eqx.filter(trainer.model, eqx.is_inexact_array)))
     assert len(carry) == n_params
     assert {np.dtype(v.aval.dtype) for v in carry} == {np.dtype("float32")}

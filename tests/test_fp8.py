@@ -1,5 +1,7 @@
 """`lowtrain.fp8`: hardware-exact casts, scaled FP8 matmuls, the fp8 policy."""
 
+import pathlib
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -113,6 +115,71 @@ def test_fp8_dot_batched_einsum_and_grads(getkey):
     for a, b in zip(ours, ref):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert _rel_err(a, b) < 0.1
+
+
+# (lhs shape, rhs shape, dimension numbers): plain, transposed, attention-like with
+# batch dimensions that do not lead, two contracting dimensions.
+DOTS = [
+    ((6, 8), (8, 5), (((1,), (0,)), ((), ()))),
+    ((8, 6), (5, 8), (((0,), (1,)), ((), ()))),
+    ((2, 5, 3, 4), (2, 7, 3, 4), (((3,), (3,)), ((0, 2), (0, 2)))),
+    ((2, 3, 5, 7), (2, 7, 3, 4), (((3,), (1,)), ((0, 1), (0, 2)))),
+    ((3, 4, 5), (5, 2, 4), (((1, 2), (2, 0)), ((), ()))),
+]
+
+
+@pytest.mark.parametrize("shapes", DOTS, ids=range(len(DOTS)))
+def test_f8_dot_and_its_transposes_are_dot_generals(shapes, getkey):
+    # The GPU lowering writes the matmul and both gradients as dots of the FP8 arrays;
+    # in float32 they must be exactly `dot_general` and JAX's own transpose rules.
+    from lowtrain.fp8 import _dot
+
+    sa, sb, dn = shapes
+    a, b = jax.random.normal(getkey(), sa), jax.random.normal(getkey(), sb)
+    out, vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), a, b)
+    g = jax.random.normal(getkey(), out.shape)
+    da, db = vjp(g)
+    (ac, bc), (ab, bb) = dn
+    np.testing.assert_allclose(_dot._f8_dot(a, b, dn), out, rtol=1e-6, atol=1e-6)
+    mine_a = _dot._dot_grad(g, a, b, dn, swap=False)
+    mine_b = _dot._dot_grad(g, b, a, ((bc, ac), (bb, ab)), swap=True)
+    np.testing.assert_allclose(mine_a, da, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(mine_b, db, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shapes", DOTS[1:4], ids=range(3))
+def test_gpu_lowering_matches_the_dequantized_one(shapes, getkey, monkeypatch):
+    # The two lowerings of `fp8_dot_general` use the same FP8 operands; they differ
+    # only in where the scales are applied (and the dequantized operands' rounding).
+    from lowtrain.fp8 import _dot
+
+    sa, sb, dn = shapes
+    a = (jax.random.normal(getkey(), sa) * 30.0).astype(jnp.bfloat16)
+    b = (jax.random.normal(getkey(), sb) * 1e-3).astype(jnp.bfloat16)
+
+    def f(a, b):
+        return jnp.sum(jnp.tanh(fp8.fp8_dot_general(a, b, dn).astype(jnp.float32)))
+
+    ref = jax.value_and_grad(f, argnums=(0, 1))(a, b)
+    monkeypatch.setattr(_dot, "f8_dot_lowering", lambda: True)
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(a, b)
+    dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots += [
+        e
+        for sub in _subjaxprs(jaxpr.jaxpr)
+        for e in sub.eqns
+        if e.primitive.name == "dot_general"
+    ]
+    # Forward and both gradients: FP8 operands (E5M2 cotangent), float32 results.
+    assert len(dots) == 3
+    for e in dots:
+        assert {np.dtype(v.aval.dtype) for v in e.invars} <= F8
+        assert np.dtype(e.outvars[0].aval.dtype) == np.float32
+    value, grads = jax.value_and_grad(f, argnums=(0, 1))(a, b)
+    np.testing.assert_allclose(value, ref[0], rtol=2e-2)
+    for mine, theirs in zip(grads, ref[1]):
+        assert mine.dtype == theirs.dtype == jnp.bfloat16
+        assert _rel_err(mine.astype(jnp.float32), theirs.astype(jnp.float32)) < 2e-2
 
 
 def _operand_sources(jaxpr):
@@ -276,7 +343,7 @@ def test_delayed_scaling_recurrence(getkey):
 
 
 @pytest.mark.gpu
-def test_fp8_gemm_on_hopper():
+def test_fp8_gemm_on_hopper(monkeypatch):
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if (
         not gpus
@@ -284,7 +351,17 @@ def test_fp8_gemm_on_hopper():
         and "H200" not in gpus[0].device_kind
     ):
         pytest.skip("needs a Hopper GPU (H100/H200) for FP8 GEMMs")
-    x = jnp.ones((256, 256), jnp.bfloat16)
-    f = jax.jit(lambda a, b: fp8.fp8_dot_general(a, b, DN))
-    hlo = f.lower(x, x).compile().as_text()
-    assert "__cublas$lt$matmul$f8" in hlo
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "scripts"))
+    from benchlib.throughput import count_fp8_gemms
+
+    def fp8_gemms(fn, *args):  # cuBLASLt calls + Triton GEMM fusions of FP8 operands
+        return sum(
+            count_fp8_gemms(jax.jit(fn).lower(*args).compile().as_text(), "")[:2]
+        )
+
+    x = jax.random.normal(jax.random.key(0), (256, 256), jnp.bfloat16)
+    assert fp8_gemms(lambda a, b: fp8.fp8_dot_general(a, b, DN), x, x) == 1
+    # Backward: both gradients too (E5M2 cotangent times an E4M3 operand). The loss
+    # must not be linear: XLA turns a dot with a constant cotangent into a reduction.
+    loss = lambda a, b: jnp.sum(jnp.tanh(fp8.fp8_dot_general(a, b, DN)))
+    assert fp8_gemms(jax.value_and_grad(loss, argnums=(0, 1)), x, x) == 3

@@ -166,10 +166,14 @@ CASES = {
     "sort": (lambda a: jnp.sort(a, axis=1), [U()], BOTH),
     "scalify_op": (sc.dynamic_rescale_l2, [U()], BOTH),
 }
+if hasattr(lax, "one_minus_square"):  # a primitive since JAX 0.11
+    CASES["one_minus_square"] = (lax.one_minus_square, [U()], BOTH)
 
 
 def test_every_rule_has_a_case():
-    assert set(sc.registered_rules()) == set(CASES)
+    # The `one_minus_square` rule is registered on JAX 0.10 too, where nothing emits it.
+    assert set(sc.registered_rules()) - set(CASES) <= {"one_minus_square"}
+    assert set(CASES) <= set(sc.registered_rules())
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

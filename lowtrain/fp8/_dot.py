@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array
 
@@ -28,14 +29,79 @@ def _exact(fn):
 
 
 def _qdq(x, dtype, scale, out_dtype):
-    # Quantize then dequantize: on Hopper, XLA's GEMM rewriter fuses the pattern
-    # `dot(convert(x_f8) * scale_x, convert(y_f8) * scale_y)` into one cuBLASLt FP8
-    # GEMM with float32 accumulation; elsewhere it computes the same numbers.
+    # Quantize then dequantize: the operand's values after the round trip through FP8.
     return dequantize(quantize(x, dtype, scale), scale, out_dtype)
 
 
-def _fp8_op(op, lhs, rhs, out_dtype, margin):
-    """`op(lhs, rhs)` with both operands through E4M3, its cotangent through E5M2.
+def f8_dot_lowering() -> bool:
+    """Whether FP8 matmuls are written as a dot of the FP8 arrays themselves (on a GPU)
+    rather than of their dequantized values (elsewhere). Decided when the op is traced,
+    by JAX's default backend.
+
+    Both compute `sum(a8 * b8) * sa * sb` from the same FP8 operands. The XLA of JAX
+    0.11.2 (measured on an H100) compiles only the first to an FP8 GEMM on Hopper: it
+    does not rewrite the dequantize pattern `dot(convert(a8) * sa, convert(b8) * sb)`,
+    which then runs as a 16-bit GEMM on dequantized copies
+    (`scripts/fp8_gemm_patterns.py` shows both). The CPU keeps the dequantized form,
+    whose results the recipes' tables record.
+    """
+    return jax.default_backend() == "gpu"
+
+
+def _f8_dot(a: Array, b: Array, dn) -> Array:
+    """`dot_general` of two FP8 arrays with float32 accumulation, batch dimensions
+    moved to the front first (the batched layout cuBLASLt takes; the output, batch then
+    `a`'s then `b`'s free dimensions, is the same)."""
+    (ac, bc), (ab, bb) = dn
+    a_free = [d for d in range(a.ndim) if d not in (*ac, *ab)]
+    b_free = [d for d in range(b.ndim) if d not in (*bc, *bb)]
+    nb = len(ab)
+    a = a.transpose((*ab, *a_free, *ac))
+    b = b.transpose((*bb, *bc, *b_free))
+    batch = tuple(range(nb))
+    contract = (tuple(range(nb + len(a_free), a.ndim)), tuple(range(nb, nb + len(bc))))
+    return lax.dot_general(a, b, (contract, (batch, batch)), preferred_element_type=F32)
+
+
+def _dot_grad(g: Array, x: Array, y: Array, dn, swap: bool) -> Array:
+    """The gradient with respect to `x` of `dot_general(x, y, dn)` (`swap`: of
+    `dot_general(y, x, dn')`, `x` the right operand) for the output cotangent `g`,
+    with `_f8_dot`: JAX's transpose rule of `dot_general`, on FP8 arrays."""
+    (xc, yc), (xb, yb) = dn
+    x_kept = [d for d in range(x.ndim) if d not in (*xc, *xb)]
+    y_kept = [d for d in range(y.ndim) if d not in (*yc, *yb)]
+    nb = len(xb)
+    free = (len(y_kept), len(x_kept)) if swap else (len(x_kept), len(y_kept))
+    ans_y = range(nb + free[0], nb + sum(free)) if not swap else range(nb, nb + free[0])
+    dims = ((tuple(ans_y), tuple(y_kept)), (tuple(range(nb)), tuple(yb)))
+    x_contract_by_y = [xc[i] for i in sorted(range(len(yc)), key=lambda i: yc[i])]
+    out_axes = np.argsort([*xb, *x_kept, *x_contract_by_y])
+    return _f8_dot(g, y, dims).transpose(tuple(int(a) for a in out_axes))
+
+
+def _scaled_out(ql, sl, qr, sr, op, dn, out_dtype):
+    """`op(ql * sl, qr * sr)` in `out_dtype`, float32 accumulation."""
+    if dn is not None and f8_dot_lowering():
+        return (_f8_dot(ql, qr, dn) * (sl * sr)).astype(out_dtype)
+    return op(dequantize(ql, sl, out_dtype), dequantize(qr, sr, out_dtype))
+
+
+def _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype):
+    """The gradients of `_scaled_out` for the output cotangent `g`, which is quantized
+    to E5M2 with scale `sg` (to be cast to each operand's dtype)."""
+    if dn is not None and f8_dot_lowering():
+        g8 = quantize(g, E5M2, sg)
+        (lc, rc), (lb, rb) = dn
+        dl = _dot_grad(g8, ql, qr, dn, swap=False) * (sg * sr)
+        dr = _dot_grad(g8, qr, ql, ((rc, lc), (rb, lb)), swap=True) * (sg * sl)
+        return dl, dr
+    _, vjp = jax.vjp(op, dequantize(ql, sl, out_dtype), dequantize(qr, sr, out_dtype))
+    return vjp(_qdq(g, E5M2, sg, out_dtype))
+
+
+def _fp8_op(op, lhs, rhs, out_dtype, margin, dn=None):
+    """`op(lhs, rhs)` with both operands through E4M3, its cotangent through E5M2;
+    `dn`: `op` is `dot_general` with these dimension numbers (GPU: `_f8_dot`).
 
     The residuals saved for the backward pass are the FP8 operands and their scales.
     """
@@ -50,18 +116,13 @@ def _fp8_op(op, lhs, rhs, out_dtype, margin):
         sl = current_scale(lhs, E4M3, margin=margin)
         sr = current_scale(rhs, E4M3, margin=margin)
         ql, qr = quantize(lhs, E4M3, sl), quantize(rhs, E4M3, sr)
-        out = op(dequantize(ql, sl, out_dtype), dequantize(qr, sr, out_dtype))
-        return out, (ql, sl, qr, sr)
+        return _scaled_out(ql, sl, qr, sr, op, dn, out_dtype), (ql, sl, qr, sr)
 
     @_exact
     def bwd(res, g):
         ql, sl, qr, sr = res
         sg = current_scale(g, E5M2, margin=margin)
-        g8 = _qdq(g, E5M2, sg, out_dtype)
-        _, vjp = jax.vjp(
-            op, dequantize(ql, sl, out_dtype), dequantize(qr, sr, out_dtype)
-        )
-        dl, dr = vjp(g8)
+        dl, dr = _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype)
         return dl.astype(lhs.dtype), dr.astype(rhs.dtype)
 
     run.defvjp(fwd, bwd)
@@ -102,7 +163,7 @@ def fp8_dot_general(
         dimension_numbers=dimension_numbers,
         preferred_element_type=out_dtype,
     )
-    return _fp8_op(op, lhs, rhs, out_dtype, margin)
+    return _fp8_op(op, lhs, rhs, out_dtype, margin, dimension_numbers)
 
 
 def fp8_conv_general_dilated(
@@ -151,20 +212,16 @@ def fp8_dot_general_delayed(lhs, rhs, dimension_numbers, lhs_scale, rhs_scale, g
     @_exact
     def fwd(lhs, rhs, ls, rs, gs):
         ql, qr = quantize(lhs, E4M3, ls.scale), quantize(rhs, E4M3, rs.scale)
-        out = op(
-            dequantize(ql, ls.scale, out_dtype), dequantize(qr, rs.scale, out_dtype)
-        )
+        out = _scaled_out(ql, ls.scale, qr, rs.scale, op, dimension_numbers, out_dtype)
         new_ls, new_rs = ls.update(amax(lhs)), rs.update(amax(rhs))
         return out, (ql, qr, ls.scale, rs.scale, new_ls, new_rs, gs)
 
     @_exact
     def bwd(res, g):
         ql, qr, sl, sr, new_ls, new_rs, gs = res
-        g8 = _qdq(g, E5M2, gs.scale, out_dtype)
-        _, vjp = jax.vjp(
-            op, dequantize(ql, sl, out_dtype), dequantize(qr, sr, out_dtype)
+        dl, dr = _scaled_grads(
+            g, gs.scale, ql, sl, qr, sr, op, dimension_numbers, out_dtype
         )
-        dl, dr = vjp(g8)
         return (
             dl.astype(lhs.dtype),
             dr.astype(rhs.dtype),

@@ -128,7 +128,7 @@ class _TrackInterpreter(Interpreter):
 
     def _scan(self, eqn: Eqn, *args):
         p = eqn.params
-        n_consts, n_carry = p["num_consts"], p["num_carry"]
+        n_consts, n_carry = _compat.scan_counts(p)
         consts, init, xs = (
             args[:n_consts],
             args[n_consts : n_consts + n_carry],

@@ -309,6 +309,15 @@ def _rsqrt(ctx, eqn, a):
     return [fit(ctx, eqn, lax.rsqrt(a.data.astype(F32)) * ratio(root, scale), scale)]
 
 
+@register("one_minus_square")
+def _one_minus_square(ctx, eqn, a):
+    """Scale `max(1, sa ** 2)`: |1 - x**2| <= max(1, x**2). JAX >= 0.11 emits it in the
+    derivatives of tanh, asin, acos and atanh. Computed on the float32 values."""
+    a = scaled(a)
+    scale = jnp.maximum(1.0, ctx.pow2(a.scale) ** 2)
+    return [as_output(ctx, eqn, eqn.bind(value(a))[0], scale)]
+
+
 # -- ops computed on the values --------------------------------------------------------
 
 

@@ -17,6 +17,8 @@ def _ratio(value) -> str:
 
 def row_line(row: dict) -> str:
     """A progress line for one measured row."""
+    if "error" in row:
+        return f"  {row['model']} / {row['precision']}: failed ({row['error']})"
     text = (
         f"  {row['model']} / {row['precision']}: {_ms(row['step_s'])} ms/step, "
         f"{row['tokens_per_s']:.0f} tokens/s, lowtrain/hand {_ratio(row['vs_hand'])}"
@@ -33,11 +35,18 @@ def _mfu(row: dict) -> str:
 def _fp8(row: dict) -> str:
     if row["fp8_gemms"] is None:
         return "not applicable (CPU)"
-    return f"{row['fp8_gemms']} / {row['dot_generals']}"
+    kinds = row["fp8_gemms"]
+    total = kinds["cublaslt"] + kinds["triton"]
+    return (
+        f"{total} / {row['dot_generals']} ({kinds['cublaslt']} cuBLASLt, "
+        f"{kinds['triton']} Triton)"
+    )
 
 
 def markdown(rows: list[dict], machine: str, device: str, args) -> str:
     """The step table, and the Trainer-overhead table when there are such rows."""
+    failed = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     memory = rows[0]["memory_source"] if rows else ""
     lines = [
         f"Machine: {machine}",
@@ -58,6 +67,9 @@ def markdown(rows: list[dict], machine: str, device: str, args) -> str:
             f"| {r['compile_s']:.1f} | {_ms(r['hand_step_s'])} "
             f"| {_ratio(r['vs_hand'])} | {_fp8(r)} |"
         )
+    lines += [
+        f"| {r['model']} | {r['precision']} | failed: {r['error']} |" for r in failed
+    ]
     lines.append(
         f"\nMedian of {rows[0]['timed_steps'] if rows else 0} timed steps (± half "
         "the IQR), interleaved with the hand-cast twin in rounds of 5 after 2 warm-up "
@@ -93,6 +105,9 @@ def bar_chart(rows: list[dict], path: pathlib.Path, device: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "error" not in r]
+    if not rows:
+        return
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(
         1, len(models), figsize=(5 * len(models), 4), squeeze=False
