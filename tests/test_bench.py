@@ -1,12 +1,14 @@
 """`scripts/bench.py`, the one benchmark command, end to end on a tiny GPT (a
 subprocess, as users run it)."""
 
+import gzip
 import json
 import pathlib
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -131,3 +133,50 @@ def test_bench_cases_are_the_recipes_trainers(monkeypatch):
     )
     hlo = cublas + fused.format(i=1, t="f8e5m2") + fused.format(i=2, t="bf16")
     assert throughput.count_fp8_gemms(hlo, lowered) == (1, 1, 6)
+
+
+def test_fp8_gemm_patterns_compute_the_same_products(monkeypatch):
+    # scripts/fp8_gemm_patterns.py compares ways of writing one FP8 matmul: each must
+    # be the bf16 product up to FP8 rounding, at each of its shapes (scaled down).
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import fp8_gemm_patterns as fgp
+
+    keys = iter(jax.random.split(jax.random.key(0), 2 * len(fgp.SHAPES)))
+    for sa, sb, dn, rhs_format in fgp.SHAPES.values():
+        small = lambda shape: tuple(max(2, d // 128) for d in shape)
+        a = jax.random.normal(next(keys), small(sa), jnp.bfloat16)
+        b = jax.random.normal(next(keys), small(sb), jnp.bfloat16) * 1e-3
+        outs = {
+            k: fn(a, b).astype(jnp.float32)
+            for k, fn in fgp.patterns(dn, rhs_format).items()
+        }
+        ref = outs.pop("bf16")
+        for name, out in outs.items():
+            assert out.shape == ref.shape
+            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            assert err < 0.1, (name, dn, err)
+
+
+def test_profile_step_sums_the_device_ops(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import profile_step
+
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    events = [
+        {
+            "ph": "M",
+            "pid": 1,
+            "name": "process_name",
+            "args": {"name": "/device:GPU:0"},
+        },
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "X", "pid": 1, "name": "gemm_fusion_dot", "dur": 3.0},
+        {"ph": "X", "pid": 1, "name": "gemm_fusion_dot", "dur": 2.0},
+        {"ph": "X", "pid": 1, "name": "loop_convert_fusion", "dur": 1.5},
+        {"ph": "X", "pid": 2, "name": "host work", "dur": 100.0},
+    ]
+    trace = json.dumps({"traceEvents": events}).encode()
+    (folder / "perfetto_trace.json.gz").write_bytes(gzip.compress(trace))
+    totals = profile_step.device_ops(tmp_path)
+    assert totals == {"gemm_fusion_dot": 5.0, "loop_convert_fusion": 1.5}
