@@ -180,3 +180,21 @@ def test_profile_step_sums_the_device_ops(tmp_path, monkeypatch):
     (folder / "perfetto_trace.json.gz").write_bytes(gzip.compress(trace))
     totals = profile_step.device_ops(tmp_path)
     assert totals == {"gemm_fusion_dot": 5.0, "loop_convert_fusion": 1.5}
+
+
+def test_a_failing_case_is_a_row_and_a_nonzero_exit(tmp_path):
+    # Each case in its own process: one that fails (here at its config) becomes a
+    # row saying why, the script still writes its files and exits non-zero.
+    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick"]
+    args = ["--precisions", "fp32", "--batch-size", "-1", "--isolate", "yes"]
+    done = subprocess.run(
+        [*command, *args, "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    assert "1 case(s) failed: quick/fp32" in done.stderr
+    (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert "Expected `trainer.batch_size` > 0, got -1" in row["error"]
+    assert (
+        "| quick | fp32 | failed: exit 1: ValueError"
+        in (tmp_path / "bench.md").read_text()
+    )
