@@ -49,7 +49,12 @@ from jax.extend.core.primitives import remat_p as remat_p
 from jax.extend.core.primitives import scan_p as scan_p
 from jax.extend.core.primitives import while_p as while_p
 
-_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+def _jax_version() -> tuple[int, int]:
+    """`(major, minor)` of the installed JAX."""
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
 
 # Every parameter each higher-order primitive carries, as emitted by JAX 0.10.2. The
 # interpreter rebuilds these ops with public APIs (`jax.jit`, `lax.scan`, ...) from the
@@ -79,7 +84,9 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
     # JAX 0.11: the input and output groups are `FlatTree`s `ft_in`/`ft_out` (read
     # by `scan_counts`).
     "scan": frozenset({"jaxpr", "length", "reverse", "unroll"})
-    | ({"num_consts", "num_carry"} if _JAX_VERSION < (0, 11) else {"ft_in", "ft_out"}),
+    | (
+        {"num_consts", "num_carry"} if _jax_version() < (0, 11) else {"ft_in", "ft_out"}
+    ),
     "while": frozenset({"cond_jaxpr", "body_jaxpr", "cond_nconsts", "body_nconsts"}),
     "cond": frozenset({"branches"}),
     "remat2": frozenset({"jaxpr", "prevent_cse", "policy", "differentiated"}),
@@ -232,8 +239,7 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
 
 def check_version() -> None:
     """Raise if the installed JAX is outside the range this module was written for."""
-    version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-    if not (0, 10) <= version < (0, 12):
+    if not (0, 10) <= _jax_version() < (0, 12):
         raise ImportError(
             f"lowtrain supports JAX 0.10.x and 0.11.x, got jax {jax.__version__} "
             "instead. Install a supported version: `pip install 'jax>=0.10,<0.12'`."

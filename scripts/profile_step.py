@@ -26,7 +26,13 @@ GEMM_MARKS = ("gemm", "cublas", "matmul", "xmma", "cutlass", "sm90")
 
 def device_ops(trace_dir: pathlib.Path) -> dict[str, float]:
     """Microseconds per op name, summed over the trace's device (GPU) events."""
-    (path,) = sorted(trace_dir.rglob("perfetto_trace.json.gz"))[-1:]
+    paths = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
+    if not paths:
+        raise FileNotFoundError(
+            f"Expected a perfetto_trace.json.gz under {trace_dir}, got none. Trace "
+            "with `jax.profiler.trace(dir, create_perfetto_trace=True)`."
+        )
+    path = paths[-1]  # the newest trace
     events = json.loads(gzip.decompress(path.read_bytes()))
     events = events["traceEvents"] if isinstance(events, dict) else events
     gpu = {
@@ -52,7 +58,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="profile_out")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
-        sys.exit("Expected a GPU: the trace's device ops are read from GPU events.")
+        sys.exit(
+            f"Expected a GPU backend (the device ops are read from GPU events), got "
+            f"{jax.default_backend()!r}. Run it where `jax.devices()` lists a GPU."
+        )
     case = throughput.make_case(args.model, args.precision, None)
     data = throughput.synthetic_data(case)
     fn, state = throughput.lowtrain_step(case)

@@ -180,6 +180,8 @@ def test_profile_step_sums_the_device_ops(tmp_path, monkeypatch):
     (folder / "perfetto_trace.json.gz").write_bytes(gzip.compress(trace))
     totals = profile_step.device_ops(tmp_path)
     assert totals == {"gemm_fusion_dot": 5.0, "loop_convert_fusion": 1.5}
+    with pytest.raises(FileNotFoundError, match="Expected a perfetto_trace.json.gz"):
+        profile_step.device_ops(tmp_path / "no trace here")
 
 
 def test_a_failing_case_is_a_row_and_a_nonzero_exit(tmp_path):
