@@ -78,6 +78,9 @@ class AmpPrecisionConfig:
     loss_scale: LossScale = LossScale.none
     init_scale: float = 2.0**15
     growth_interval: int = 2000  # finite steps before a dynamic scale doubles
+    # What the forward pass saves for the backward one: "all", or "half" (values in
+    # the compute dtype only; float32 ones recomputed): `lowtrain.Policy(residuals=)`.
+    residuals: str = "all"
 
     def __post_init__(self):
         _positive(self.init_scale, "precision.init_scale")

@@ -44,8 +44,11 @@ def amp(
     loss_scale: LossScale | str = LossScale.none,
     init_scale: float = 2.0**15,
     growth_interval: int = 2000,
+    residuals: str = "all",
 ) -> Precision:
-    """`lowtrain.train.Amp(policy)` with the loss scale `loss_scale` names."""
+    """`lowtrain.train.Amp(policy)` with the loss scale `loss_scale` names; the
+    policy saves `residuals` ("all", or "half": only compute-dtype values, the float32
+    ones recomputed in the backward pass) for the backward pass."""
     kind = LossScale(loss_scale)
     scale = {
         LossScale.none: lambda: lowtrain.NoOpLossScale(),
@@ -54,7 +57,7 @@ def amp(
             init_scale, growth_interval=growth_interval
         ),
     }[kind]()
-    return Amp(policy, loss_scale=scale)
+    return Amp(lowtrain.get_policy(policy).with_residuals(residuals), loss_scale=scale)
 
 
 def naive_fp8(

@@ -9,11 +9,14 @@ unit_fp32, unit_fp8: `model=gpt_unit` from `recipe=gpt_unit_fp32|fp8`), the Trai
 is built as `python -m lowtrain` builds it (`scripts/benchlib/throughput.py`) and its
 compiled step is timed:
 
-- step time: the median over `--steps` (>= 20) steps after warm-up, interleaved in
-  rounds of 5 with the same step written by hand with explicit casts
-  (`benchlib.models`: the float32 loss for fp32, mixed precision placed by hand for
-  bf16/fp16, jmp/mpx style; no twin for the FP8 and unit-scaled precisions) in the
-  same process; `lowtrain / hand` is their ratio;
+- step time: `--steps` (>= 20) steps after warm-up, interleaved in rounds of 5 with
+  the same step written by hand with explicit casts (`benchlib.models`: the float32
+  loss for fp32, mixed precision placed by hand for bf16/fp16, jmp/mpx style; no
+  twin for the FP8 and unit-scaled precisions) in the same process; each round's 5
+  steps queue one after another as in training (both steps compiled by
+  `lowtrain.train.async_filter_jit`, so the host dispatches the next while the
+  device runs one) and are timed together: the median over rounds of the time per
+  step; `lowtrain / hand` is their ratio;
 - tokens/s; MFU: model FLOPs (6 x parameters x tokens + attention) per second over
   the device's dense peak for the precision's matmul dtype (H100 SXM, H200, A100;
   "unknown" elsewhere, e.g. on a CPU);
@@ -35,6 +38,8 @@ say) is a table row saying why, and the script exits non-zero after the others.
     python scripts/bench.py --models gpt         # the char-GPT only (CPU-sized)
     python scripts/bench.py --quick              # a tiny GPT, 20 steps: seconds
     python scripts/bench.py --precisions fp32,bf16 --out /tmp/bench
+    python scripts/bench.py --models gpt_small --precisions bf16,fp8 \\
+        --set precision.residuals=half      # Hydra overrides for every case
 """
 
 from __future__ import annotations
@@ -78,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--save-hlo", default=None, help="folder for each step's optimized HLO text"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override for every case, e.g. precision.residuals=half",
+    )
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     args.precisions = args.precisions.split(",")
@@ -100,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def measure(model_name: str, precision: str, args) -> dict:
     """One row: see the module docstring."""
-    case = throughput.make_case(model_name, precision, args.batch_size)
+    case = throughput.make_case(model_name, precision, args.batch_size, args.set)
     data = throughput.synthetic_data(case)
     batch = jax.device_put(data(0))
     gpu = jax.default_backend() == "gpu"
@@ -118,7 +130,7 @@ def measure(model_name: str, precision: str, args) -> dict:
     # A separate compile for XLA's view of the step (its buffers are donated below).
     hlo, analysis, lowered = throughput.compile_step(case, states["lowtrain"][0], batch)
     times, losses = timing.interleaved(
-        fns, states, (batch,), steps=args.steps, round_len=5, warmup=2
+        fns, states, (batch,), steps=args.steps, round_len=5, warmup=2, per_round=True
     )
     step = {name: statistics.median(ts) for name, ts in times.items()}
     if args.save_hlo:  # to read what XLA made of the step (fusions, FP8 GEMMs)
@@ -138,7 +150,7 @@ def measure(model_name: str, precision: str, args) -> dict:
         "parameters": case.parameters(),
         "batch": case.batch_size,
         "context": case.block_size,
-        "timed_steps": len(times["lowtrain"]),
+        "timed_steps": len(times["lowtrain"]) * 5,  # rounds of 5
         "step_s": step["lowtrain"],
         "step_iqr_s": timing.median_iqr(times["lowtrain"])[1],
         "tokens_per_s": case.tokens / step["lowtrain"],
@@ -172,6 +184,7 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
             *("--overhead-rounds", str(args.overhead_rounds)),
             *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
             *(["--save-hlo", args.save_hlo] if args.save_hlo else []),
+            *(arg for override in args.set for arg in ("--set", override)),
         ]
         child = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE)
         sys.stderr.write(child.stderr.decode(errors="replace"))

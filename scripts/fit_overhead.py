@@ -10,8 +10,16 @@
    100-step chunks; the median per-step difference.
 3. The char-GPT itself: 4 pairs of 2-step chunks of `fit` and the plain loop (a
    fixed cost per `fit` call would show here).
+4. Dispatch: on the tiny GPT at batch 32 (steps of 2-3 ms here, as the char-GPT's
+   on an H100), `fit` and the plain loop with the Trainer's step compiled by
+   `eqx.filter_jit` (which waits for each step's results: what the Trainer used
+   until git 8cf1783) and by `lowtrain.train.async_filter_jit` (what it uses now):
+   7 pairs of 100-step chunks each, medians. On a CPU the "device" is the host's
+   own cores, so host work competes with the step unless XLA keeps to one thread
+   and another core is free, as a GPU would leave the host free:
 
-    python scripts/fit_overhead.py
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1" \\
+        python scripts/fit_overhead.py
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import statistics
 import time
 import timeit
 
+import equinox as eqx
 import jax
 from benchlib import report, throughput
 
@@ -30,10 +39,21 @@ def best_us(fn, number: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=7)) / number * 1e6
 
 
-def chunk_pairs(model: str, chunk: int, pairs: int) -> list[tuple[float, float]]:
-    """`pairs` of (fit, plain loop) seconds for `chunk` steps of `model` in fp32."""
-    case = throughput.make_case(model, "fp32", 4 if model == "quick" else None)
+def chunk_pairs(
+    model: str, chunk: int, pairs: int, batch_size: int | None = None, wait=False
+) -> list[tuple[float, float]]:
+    """`pairs` of (fit, plain loop) seconds for `chunk` steps of `model` in fp32;
+    `wait`: the step compiled by `eqx.filter_jit` (waits for its results)."""
+    if batch_size is None:
+        batch_size = 4 if model == "quick" else None
+    case = throughput.make_case(model, "fp32", batch_size)
     data, trainer = throughput.synthetic_data(case), case.trainer
+    if wait:  # into the slot of the cached property, so `fit` calls it too
+        step = lambda batch, state: trainer.train_step(state, batch)
+        wrapped = trainer.precision.wrap_step(step)
+        trainer.__dict__["compiled_step"] = eqx.filter_jit(
+            wrapped, donate="all-except-first"
+        )
     step = trainer.compiled_step
     fit = trainer.init(key=jax.random.key(1))
     fit = trainer.fit(fit, data, steps=2, progress=False)
@@ -87,6 +107,15 @@ def main() -> None:
     pairs = chunk_pairs("gpt", 2, 4)
     shown = ", ".join(f"{f:.2f}/{p:.2f}" for f, p in pairs)
     print(f"Char-GPT, 2-step chunks, fit/plain seconds: {shown}")
+    print(
+        "\nTiny GPT, batch 32, 7 pairs of 100-step chunks (ms/step, medians):\n\n"
+        "| step compiled by | fit | plain loop | fit / plain |\n|---|---:|---:|---:|"
+    )
+    for name, wait in [("eqx.filter_jit (waits)", True), ("async_filter_jit", False)]:
+        pairs = chunk_pairs("quick", 100, 7, batch_size=32, wait=wait)
+        fit = statistics.median(f for f, _ in pairs) / 100 * 1e3
+        plain = statistics.median(p for _, p in pairs) / 100 * 1e3
+        print(f"| {name} | {fit:.3f} | {plain:.3f} | {fit / plain:.3f} |")
 
 
 if __name__ == "__main__":

@@ -104,7 +104,10 @@ def test_bench_cases_are_the_recipes_trainers(monkeypatch):
         parts = getattr(case.trainer.precision, "parts", (case.trainer.precision,))
         if precision in ("fp32", "bf16", "fp16", "fp8"):
             assert parts[0].policy == lowtrain.get_policy(precision)
+    half = throughput.make_case("quick", "bf16", 4, ["precision.residuals=half"])
+    assert half.trainer.precision.policy.residuals == "half"  # `bench.py --set`
     case = throughput.make_case("quick", "bf16", 4)
+    assert case.trainer.precision.policy.residuals == "all"
     n = 12 * 32**2 + 13 * 32 + 65 * 32 + 2 * 32  # 1 block, tied embedding, ln_f
     assert case.parameters() == n
     assert case.flops() == (6 * n + 12 * 32 * 16) * 64
@@ -184,19 +187,28 @@ def test_profile_step_sums_the_device_ops(tmp_path, monkeypatch):
         profile_step.device_ops(tmp_path / "no trace here")
 
 
-def test_a_failing_case_is_a_row_and_a_nonzero_exit(tmp_path):
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (["--batch-size", "-1"], "Expected `trainer.batch_size` > 0, got -1"),
+        # `--set` overrides reach the case's own process.
+        (["--set", "precision.residuals=some"], "Expected `residuals` in ('all'"),
+    ],
+)
+def test_a_failing_case_is_a_row_and_a_nonzero_exit(tmp_path, bad, message):
     # Each case in its own process: one that fails (here at its config) becomes a
     # row saying why, the script still writes its files and exits non-zero.
     command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick"]
-    args = ["--precisions", "fp32", "--batch-size", "-1", "--isolate", "yes"]
+    args = ["--precisions", "fp32", *bad, "--isolate", "yes"]
     done = subprocess.run(
         [*command, *args, "--out", str(tmp_path)], capture_output=True, text=True
     )
     assert done.returncode != 0
     assert "1 case(s) failed: quick/fp32" in done.stderr
     (row,) = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    assert "Expected `trainer.batch_size` > 0, got -1" in row["error"]
-    assert (
-        "| quick | fp32 | failed: exit 1: ValueError"
-        in (tmp_path / "bench.md").read_text()
+    assert message in row["error"]
+    table = (tmp_path / "bench.md").read_text()
+    assert "| quick | fp32 | failed: exit 1: ValueError" in table
+    assert ("Overrides of every case: precision.residuals=some" in table) == (
+        "--set" in bad
     )

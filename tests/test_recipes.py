@@ -95,6 +95,45 @@ def test_precision_factories():
     assert isinstance(precisions.scalify(), lowtrain.train.Scalify)
 
 
+@pytest.mark.parametrize("recipe", ["gpt_bf16", "gpt_fp16"])
+def test_precision_residuals_half_saves_compute_dtype_values_only(recipe):
+    # `precision.residuals=half`: the float32 activations the policy computes (layer
+    # norms, softmax, the residual stream) are recomputed, not saved, also through
+    # the GPT's scan over layers.
+    small = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2"]
+    tokens = np.arange(2 * 17).reshape(2, 17) % 65
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    saved = {}
+    for residuals in ("all", "half"):
+        overrides = [f"recipe={recipe}", f"precision.residuals={residuals}", *small]
+        config = _run.to_config(make_config(*overrides, "model.block_size=16"))
+        precision = _common.trainer_options(config)["precision"]
+        assert precision.policy.residuals == residuals
+        model, trainer_class = gpt.build_model(config.model, 65, key=jax.random.key(0))
+        trainer = trainer_class(model, optax.sgd(0.1), precision=precision)
+        params, static = eqx.partition(model, eqx.is_array)
+
+        def loss(params, p=precision, static=static, trainer=trainer):
+            wrapped = p.wrap_model(eqx.combine(params, static))
+            return trainer.loss(wrapped, p.inputs(batch), key=None)
+
+        avals = lowtrain._compat.saved_residual_avals(loss, params)
+        saved[residuals] = {
+            str(a.dtype): sum(b.size for b in avals if b.dtype == a.dtype)
+            for a in avals
+        }
+    # What stays float32 is the loss's own (the logits amp returns in float32 and
+    # their log-softmax, outside the model).
+    logits = tokens[:, 1:].size * 65
+    assert saved["all"]["float32"] > 10 * logits >= saved["half"]["float32"] - 64
+    nbytes = {
+        k: sum(np.dtype(d).itemsize * n for d, n in v.items()) for k, v in saved.items()
+    }
+    assert nbytes["half"] < 0.6 * nbytes["all"]  # measured: 0.55
+    with pytest.raises(ValueError, match=r"Expected `residuals` in \('all', 'half'\)"):
+        precisions.amp("bf16", residuals="some")
+
+
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -173,6 +173,17 @@ class Policy(eqx.Module):
             residuals=self.residuals,
         )
 
+    def with_residuals(self, residuals: str) -> Policy:
+        """A copy that saves `residuals` ("all" or "half") for the backward pass."""
+        return Policy(
+            self.param_dtype,
+            self.compute_dtype,
+            self.output_dtype,
+            rules=dict(self.rules),
+            scopes=dict(self.scopes),
+            residuals=residuals,
+        )
+
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
         """The action for primitive `primitive` inside `scopes` (outermost first)."""
         act = match_scope(self.scopes, scopes)

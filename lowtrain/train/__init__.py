@@ -6,6 +6,7 @@ from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._data import ArrayBatches as ArrayBatches
 from ._hooks import StepInfo as StepInfo
+from ._jit import async_filter_jit as async_filter_jit
 from ._numerics import NumericsRecorder as NumericsRecorder
 from ._placement import array_spec as array_spec
 from ._precision import Chain as Chain

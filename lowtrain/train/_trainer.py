@@ -29,6 +29,7 @@ from ._fit import (
     step_info,
 )
 from ._hooks import Hook, StepInfo
+from ._jit import async_filter_jit
 from ._metrics import JsonlWriter, global_norm
 from ._numerics import NumericsRecorder
 from ._placement import constrain_state, data_mesh, put_state, shard_batch
@@ -36,8 +37,7 @@ from ._precision import Precision
 from ._precisions import resolve
 from ._state import TrainState
 
-# `optax.apply_if_finite` applies an update anyway after this many non-finite ones in
-# a row; its counter saturates at the int32 maximum, so it never gets there.
+# `optax.apply_if_finite` never applies a non-finite update: its count saturates here.
 _NEVER = int(np.iinfo(np.int32).max)
 
 
@@ -255,11 +255,11 @@ class Trainer:
 
     @functools.cached_property
     def compiled_step(self) -> Callable:
-        """`train_step` under the precision's `wrap_step` and `eqx.filter_jit`,
-        built once, called as `compiled_step(batch, state)`: every array of `state`
-        is donated (its buffers are reused for the new state), the batch is not."""
-        step = lambda batch, state: self.train_step(state, batch)
-        return eqx.filter_jit(self.precision.wrap_step(step), donate="all-except-first")
+        """`train_step` under the precision's `wrap_step`, compiled once by
+        `lowtrain.train.async_filter_jit` (it returns as soon as the step is queued),
+        called as `compiled_step(batch, state)`; the arrays of `state` are donated."""
+        step = self.precision.wrap_step(lambda batch, s: self.train_step(s, batch))
+        return async_filter_jit(step, donate="all-except-first")
 
     @functools.cached_property
     def _compiled_eval(self) -> Callable:

@@ -51,6 +51,7 @@ def markdown(rows: list[dict], machine: str, device: str, args) -> str:
     lines = [
         f"Machine: {machine}",
         f"Device: {device}",
+        *([f"Overrides of every case: {' '.join(args.set)}"] if args.set else []),
         "",
         "| model | precision | params | batch x context | step (ms) | tokens/s "
         f"| MFU | memory (MiB, {memory}) | compile (s) | hand step (ms) "
@@ -71,9 +72,10 @@ def markdown(rows: list[dict], machine: str, device: str, args) -> str:
         f"| {r['model']} | {r['precision']} | failed: {r['error']} |" for r in failed
     ]
     lines.append(
-        f"\nMedian of {rows[0]['timed_steps'] if rows else 0} timed steps (± half "
-        "the IQR), interleaved with the hand-cast twin in rounds of 5 after 2 warm-up "
-        "steps."
+        f"\n{rows[0]['timed_steps'] if rows else 0} timed steps, interleaved with the "
+        "hand-cast twin in rounds of 5 after 2 warm-up steps; each round's steps "
+        "queued back to back and timed together: the median time per step over rounds "
+        "(± half the IQR)."
     )
     over = [r for r in rows if "overhead" in r]
     if over:

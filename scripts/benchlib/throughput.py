@@ -12,7 +12,7 @@ bf16, fp16: `hand_gpt_loss`, mixed precision placed by hand, jmp/mpx style).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from hydra import compose, initialize_config_module
 
 from lowtrain.recipes import _common, _config, _run, gpt
 from lowtrain.recipes._layers import decay_mask
+from lowtrain.train import async_filter_jit
 
 from . import models, timing
 
@@ -138,14 +139,20 @@ def compose_config(recipe: str, overrides: list[str]):
     return cfg, _run.to_config(cfg)
 
 
-def make_case(model_name: str, precision: str, batch_size: int | None) -> Case:
+def make_case(
+    model_name: str,
+    precision: str,
+    batch_size: int | None,
+    extra: Sequence[str] = (),
+) -> Case:
     """The Trainer of `recipe=gpt_<precision>` at size `model_name`, on synthetic
-    tokens; `batch_size` None: the recipe's."""
+    tokens; `batch_size` None: the recipe's; `extra`: more Hydra overrides."""
     overrides, vocab = SIZES[model_name]
     if precision.startswith("unit") and model_name == "gpt_small":
         overrides = UNIT_SMALL
     if batch_size is not None:
         overrides = [*overrides, f"trainer.batch_size={batch_size}"]
+    overrides = [*overrides, *extra]
     cfg, config = compose_config(RECIPES[precision], overrides)
     model, trainer_class = gpt.build_model(config.model, vocab, key=jax.random.key(0))
     steps = config.trainer.steps  # the schedule's length; the bench runs fewer
@@ -196,7 +203,7 @@ def hand_step(case: Case) -> tuple[Callable, tuple]:
     its gradient and the recipe's optimizer; no Trainer, no loss scale, no finite
     check), jitted with the state donated as the Trainer donates it."""
     step = timing.make_step(case.hand_loss, case.optimizer)
-    jitted = eqx.filter_jit(
+    jitted = async_filter_jit(  # as the Trainer's step is compiled
         lambda batch, model, opt: step(model, opt, batch["x"], batch["y"]),
         donate="all-except-first",
     )

@@ -45,6 +45,7 @@ def interleaved(
     steps: int,
     round_len: int,
     warmup: int,
+    per_round: bool = False,
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     """Seconds per step of each `fns[name](*states[name], *batch)`, run in turn, and
     the loss of each one's last step.
@@ -53,16 +54,19 @@ def interleaved(
     steps of each (compilation included), the functions alternate in rounds of
     `round_len` steps (A, B, ..., A, B, ...) until each has run `steps` timed steps
     (rounded up to whole rounds), so that a slow spell of a shared machine hits all
-    of them alike.
+    of them alike. Each step is timed until its results are ready; with
+    `per_round`, each round is, and its steps queue one after another as in a
+    training loop (asynchronous dispatch): one time per round, its mean per step.
     """
     states, losses = dict(states), {}
 
-    def run(name):
+    def run(name, n=1):
         start = time.perf_counter()
-        *state, loss = fns[name](*states[name], *batch)
-        jax.block_until_ready((state, loss))
-        states[name], losses[name] = tuple(state), loss
-        return time.perf_counter() - start
+        for _ in range(n):
+            *state, loss = fns[name](*states[name], *batch)
+            states[name], losses[name] = tuple(state), loss
+        jax.block_until_ready((states[name], loss))
+        return (time.perf_counter() - start) / n
 
     for name in fns:
         for _ in range(warmup):
@@ -70,7 +74,10 @@ def interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(math.ceil(steps / round_len)):
         for name in fns:
-            times[name].extend(run(name) for _ in range(round_len))
+            if per_round:
+                times[name].append(run(name, round_len))
+            else:
+                times[name].extend(run(name) for _ in range(round_len))
     return times, losses
 
 
