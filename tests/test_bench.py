@@ -212,3 +212,22 @@ def test_a_failing_case_is_a_row_and_a_nonzero_exit(tmp_path, bad, message):
     assert ("Overrides of every case: precision.residuals=some" in table) == (
         "--set" in bad
     )
+
+
+def test_saved_bytes_counts_the_backward_residuals_by_dtype(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import saved_bytes
+
+    rows = ["fp32", "bf16", "bf16:precision.residuals=half"]
+    got = {row: saved_bytes.saved_bytes("quick", row) for row in rows}
+    assert set(got["fp32"]) <= {"float32", "int32", "bool"}
+    assert got["bf16"]["bfloat16"] > 0
+    # residuals=half: float32 values are recomputed, not saved; about 0.4 of fp32.
+    total = {row: sum(v.values()) for row, v in got.items()}
+    assert total["bf16:precision.residuals=half"] < 0.5 * total["fp32"] < total["bf16"]
+    assert got["bf16:precision.residuals=half"]["float32"] < got["bf16"]["float32"] / 5
+    saved_bytes.main(["--model", "quick", "--rows", *rows])
+    table = capsys.readouterr().out
+    assert "| fp32 |" in table and "| 1.000 |" in table
+    ratio = total["bf16:precision.residuals=half"] / total["fp32"]
+    assert "| bf16:precision.residuals=half |" in table and f"| {ratio:.3f} |" in table

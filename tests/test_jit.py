@@ -134,3 +134,21 @@ def test_fit_still_stops_on_a_nonfinite_loss_one_step_late():
             progress=False,
         )
     assert asked == [0, 1, 2, 3]
+
+
+class CountingMse(Mse):
+    traces = 0
+
+    def train_step(self, state, batch):
+        CountingMse.traces += 1  # runs once per trace, not per step
+        return super().train_step(state, batch)
+
+
+@pytest.mark.parametrize("policy", ["fp32", "fp16"])
+def test_the_step_is_traced_once_for_a_whole_run(policy):
+    # The new state's static part (its structure, non-array leaves) keys the next
+    # call: it must equal the old one's, or every step would compile again.
+    CountingMse.traces = 0
+    trainer = CountingMse(make_model(), SGD(1e-2), policy=policy)
+    state = trainer.fit(trainer.init(key=jax.random.key(0)), make_data(), steps=6)
+    assert int(state.step) == 6 and CountingMse.traces == 1
