@@ -152,3 +152,24 @@ def test_the_step_is_traced_once_for_a_whole_run(policy):
     trainer = CountingMse(make_model(), SGD(1e-2), policy=policy)
     state = trainer.fit(trainer.init(key=jax.random.key(0)), make_data(), steps=6)
     assert int(state.step) == 6 and CountingMse.traces == 1
+
+
+class Scale(eqx.Module):
+    w: jax.Array
+
+    @async_filter_jit
+    def apply(self, x):
+        return self.w * x
+
+
+def test_a_module_as_the_function_and_a_decorated_method():
+    model = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+    x = jnp.linspace(-1.0, 1.0, 4)
+    predict = async_filter_jit(model)
+    assert same_bits(snapshot(predict(x)), snapshot(model(x)))
+    # The module's arrays are arguments of the program, not constants in it.
+    n = len(jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    assert len(jax.tree.leaves(predict.lower(x).args_info)) == 1 + n
+    scale = Scale(jnp.float32(3.0))
+    np.testing.assert_array_equal(scale.apply(x), 3.0 * x)
+    np.testing.assert_array_equal(Scale(jnp.float32(2.0)).apply(x), 2.0 * x)

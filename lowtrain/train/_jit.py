@@ -11,6 +11,7 @@ Trainer's step has no `eqx.error_if`, so it does not need that wait.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from jaxtyping import PyTree
 _ARRAY = object()  # in a static key: "an array was here"
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)  # what `eqx.is_array` accepts
 
-# `donate` -> the positions `_AsyncJit._run` donates: (static key, first, rest).
+# `donate` -> what `_AsyncJit._run` donates of (static key, first, rest, fn arrays).
 _DONATE = {"none": (), "all-except-first": (2,)}
 
 
@@ -54,16 +55,23 @@ class _AsyncJit:
     def __init__(self, fn: Callable, donate: str):
         self.fn = fn
         self.donate = donate
+        # A callable pytree (an `eqx.Module`) has its arrays traced, never donated.
+        self._fn_arrays, self._fn_key = _split(fn)
         self._jitted = jax.jit(
             self._run, static_argnums=0, donate_argnums=_DONATE[donate]
         )
 
-    def _run(self, key, first_arrays, rest_arrays):
+    def _run(self, key, first_arrays, rest_arrays, fn_arrays):
         first_key, rest_key = key
+        fn = _join(fn_arrays, self._fn_key)
         args, kwargs = _join(rest_arrays, rest_key)
-        out = self.fn(_join(first_arrays, first_key), *args, **kwargs)
+        out = fn(_join(first_arrays, first_key), *args, **kwargs)
         out_arrays, out_key = _split(out)
         return out_arrays, _Static(out_key)
+
+    def __get__(self, instance, owner):
+        # As a method's decorator: `instance.method(x)` is `self(instance, x)`.
+        return self if instance is None else functools.partial(self, instance)
 
     def _arguments(self, args, kwargs):
         if not args:
@@ -84,7 +92,7 @@ class _AsyncJit:
                 warnings.filterwarnings(
                     "ignore", message="Some donated buffers were not usable"
                 )
-                out_arrays, out_static = self._jitted(key, first, rest)
+                out_arrays, out_static = self._jitted(key, first, rest, self._fn_arrays)
         except ValueError as e:
             if "Non-hashable static arguments" not in str(e):
                 raise
@@ -99,7 +107,7 @@ class _AsyncJit:
     def lower(self, *args, **kwargs) -> jax.stages.Lowered:
         """`jax.jit(...).lower` for these arguments: `.compile()`, `.as_text()`."""
         key, first, rest = self._arguments(args, kwargs)
-        return self._jitted.lower(key, first, rest)
+        return self._jitted.lower(key, first, rest, self._fn_arrays)
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
@@ -116,10 +124,12 @@ def async_filter_jit(
 
     Every array leaf of the arguments (JAX or NumPy) is traced, every other leaf is
     static (compiled in; it must be hashable), and `fn`'s outputs may hold non-array
-    leaves too, as with `eqx.filter_jit`. Unlike `eqx.filter_jit` (Equinox 0.13),
-    which waits for each call's results, the call returns as soon as the computation
-    is queued (JAX's asynchronous dispatch), so the host prepares the next step while
-    the device runs this one. `eqx.error_if` failures inside `fn` then surface at the
+    leaves too, as with `eqx.filter_jit`. The arrays of `fn` itself, if it is a
+    pytree (an `eqx.Module`), are traced too (never donated), and it decorates
+    methods. Unlike `eqx.filter_jit` (Equinox 0.13), which waits for each call's
+    results, the call returns as soon as the computation is queued (JAX's
+    asynchronous dispatch), so the host prepares the next step while the device runs
+    this one. `eqx.error_if` failures inside `fn` then surface at the
     next read of a result rather than at the call. `donate="all-except-first"`
     donates every array of the arguments after the first (the state of a train step
     called as `step(batch, state)`); `Trainer.compiled_step` is built with it.
