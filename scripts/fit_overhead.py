@@ -13,7 +13,7 @@
 4. Dispatch: on the tiny GPT at batch 32 (steps of 2-3 ms here, as the char-GPT's
    on an H100), `fit` and the plain loop with the Trainer's step compiled by
    `eqx.filter_jit` (which waits for each step's results: what the Trainer used
-   until git 8cf1783) and by `lowtrain.train.async_filter_jit` (what it uses now):
+   up to git 8cf1783) and by `lowtrain.train.async_filter_jit` (what it uses now):
    7 pairs of 100-step chunks each, medians. On a CPU the "device" is the host's
    own cores, so host work competes with the step unless XLA keeps to one thread
    and another core is free, as a GPU would leave the host free:
