@@ -9,6 +9,7 @@ mis-transform a program.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -82,7 +83,7 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
     ),
     # JAX 0.10: the constants and carry are counted by `num_consts`/`num_carry`;
     # JAX 0.11: the input and output groups are `FlatTree`s `ft_in`/`ft_out` (read
-    # by `scan_counts`).
+    # by `scan_inputs`).
     "scan": frozenset({"jaxpr", "length", "reverse", "unroll"})
     | (
         {"num_consts", "num_carry"} if _jax_version() < (0, 11) else {"ft_in", "ft_out"}
@@ -225,16 +226,18 @@ def custom_vjp_rule_parts(params: dict[str, Any], num_args: int) -> tuple:
     return ClosedJaxpr(jaxpr, consts), tuple(res_forwards), bwd
 
 
-def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
-    """`(num_consts, num_carry)` of a `scan` equation: its inputs are the constants,
-    then the initial carry, then the scanned `xs`; its outputs the final carry, then
-    the stacked `ys`."""
+def scan_inputs(params: dict[str, Any], args: Sequence) -> tuple:
+    """`(consts, init, xs)`: a `scan` equation's inputs (`args`: its values or its
+    `invars`) split into its constants, initial carry and scanned inputs. Its outputs
+    are the final carry (`len(init)` of them), then the stacked `ys`."""
     if "num_consts" in params:  # JAX 0.10: the two counts are parameters
-        return params["num_consts"], params["num_carry"]
-    # JAX 0.11: `ft_in` is a `FlatTree` packing the three groups (consts, carry, xs);
-    # iterating one group yields its leaves, one per input.
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(list(consts)), len(list(carry))
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+    else:  # JAX 0.11: `ft_in`, a `FlatTree`, packs the groups (consts, carry, xs);
+        # iterating one group yields its leaves, one per input.
+        consts, carry, _ = params["ft_in"].unpack()
+        n_consts, n_carry = len(list(consts)), len(list(carry))
+    args, end = tuple(args), n_consts + n_carry
+    return args[:n_consts], args[n_consts:end], args[end:]
 
 
 def check_version() -> None:

@@ -64,12 +64,8 @@ def _remat_rule(interp, eqn: Eqn, *args):
 
 def _scan_rule(interp, eqn: Eqn, *args):
     p, values = eqn.params, interp.values
-    n_consts, n_carry = _compat.scan_counts(p)
-    consts, init, xs = (
-        args[:n_consts],
-        args[n_consts : n_consts + n_carry],
-        args[n_consts + n_carry :],
-    )
+    consts, init, xs = _compat.scan_inputs(p, args)
+    n_carry = len(init)
     run = _sub(interp, p["jaxpr"], eqn.scopes)
 
     # Scanned inputs are split into the part with the scanned axis and the rest (the

@@ -12,6 +12,7 @@ with the Trainer's step compiled the given way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import subprocess
@@ -27,17 +28,12 @@ COMMON = ["trainer.log_every=1", "trainer.progress=false"]
 
 
 def child(mode: str) -> None:
-    if mode == "eqx":  # the Trainer's step as it was compiled before git 24d59bd
-        import equinox as eqx
+    from benchlib.waiting import waiting_steps
 
-        import lowtrain.train._trainer as trainer_module
-
-        trainer_module.async_filter_jit = lambda fn, donate: eqx.filter_jit(
-            fn, donate=donate
-        )
     from lowtrain.__main__ import main
 
-    main()
+    with waiting_steps() if mode == "eqx" else contextlib.nullcontext():
+        main()
 
 
 def metrics(folder: pathlib.Path) -> list[dict]:

@@ -58,7 +58,7 @@ def test_one_compiled_step_scans_the_micro_batches_in_float32():
     scans = eqns_of(trainer.train_step, state, batch, prim="scan")
     (scan,) = [e for e in scans if e.params["length"] == 4]
     # The carry: one float32 accumulator per parameter.
-    carry = scan.outvars[: _compat.scan_counts(scan.params)[1]]
+    carry = scan.outvars[: len(_compat.scan_inputs(scan.params, scan.invars)[1])]
     n_params = len(jax.tree.leaves(eqx.filter(trainer.model, eqx.is_inexact_array)))
     assert len(carry) == n_params
     assert {np.dtype(v.aval.dtype) for v in carry} == {np.dtype("float32")}

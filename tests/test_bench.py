@@ -231,3 +231,22 @@ def test_saved_bytes_counts_the_backward_residuals_by_dtype(monkeypatch, capsys)
     assert "| fp32 |" in table and "| 1.000 |" in table
     ratio = total["bf16:precision.residuals=half"] / total["fp32"]
     assert "| bf16:precision.residuals=half |" in table and f"| {ratio:.3f} |" in table
+
+
+def test_waiting_steps_compile_the_trainers_step_as_before(monkeypatch):
+    # scripts/fit_overhead.py and scripts/dispatch_check.py compare the Trainer's
+    # step compiled by `async_filter_jit` with the `eqx.filter_jit` it replaced.
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import equinox as eqx
+    from benchlib.waiting import waiting_steps
+
+    from lowtrain.train._jit import _AsyncJit
+
+    from .helpers import SGD, Mse, make_model
+
+    waiting = type(eqx.filter_jit(lambda x: x))
+    with waiting_steps():
+        inside = Mse(make_model(), SGD(0.1))
+        assert isinstance(inside.compiled_step, waiting)
+    assert isinstance(inside.compiled_step, waiting)  # built once
+    assert isinstance(Mse(make_model(), SGD(0.1)).compiled_step, _AsyncJit)

@@ -130,7 +130,8 @@ def test_precision_residuals_half_saves_compute_dtype_values_only(recipe):
         k: sum(np.dtype(d).itemsize * n for d, n in v.items()) for k, v in saved.items()
     }
     assert nbytes["half"] < 0.6 * nbytes["all"]  # measured: 0.55
-    with pytest.raises(ValueError, match=r"Expected `residuals` in \('all', 'half'\)"):
+    expected = r"Expected `residuals` in \('all', 'half'\), got 'some' instead. Use"
+    with pytest.raises(ValueError, match=expected):
         precisions.amp("bf16", residuals="some")
 
 

@@ -110,6 +110,8 @@ class Policy(eqx.Module):
     )
     assert policy.action("dot_general", ()) == "compute"
     assert policy.action("dot_general", ("head",)) == "float32"
+    lean = lowtrain.get_policy("bf16").with_residuals("half")
+    assert lean.residuals == "half" and lean.compute_dtype == jnp.bfloat16
     ```
     """
 
@@ -147,7 +149,9 @@ class Policy(eqx.Module):
         )
         if residuals not in RESIDUALS:
             raise ValueError(
-                f"Expected `residuals` in {RESIDUALS}, got {residuals!r} instead."
+                f"Expected `residuals` in {RESIDUALS}, got {residuals!r} instead. "
+                "Use 'half' to save only compute-dtype values for the backward pass "
+                "(float32 ones recomputed), or 'all' (the default) for what JAX saves."
             )
         self.residuals = residuals
 

@@ -128,12 +128,8 @@ class _TrackInterpreter(Interpreter):
 
     def _scan(self, eqn: Eqn, *args):
         p = eqn.params
-        n_consts, n_carry = _compat.scan_counts(p)
-        consts, init, xs = (
-            args[:n_consts],
-            args[n_consts : n_consts + n_carry],
-            args[n_consts + n_carry :],
-        )
+        consts, init, xs = _compat.scan_inputs(p, args)
+        n_carry = len(init)
         metas = []
 
         def body(carry, x):

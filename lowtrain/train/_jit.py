@@ -154,8 +154,13 @@ def async_filter_jit(
     """
     if donate not in _DONATE:
         raise ValueError(
-            f"Expected `donate` in {tuple(_DONATE)}, got {donate!r} instead."
+            f"Expected `donate` in {tuple(_DONATE)}, got {donate!r} instead. Use "
+            "'all-except-first' to donate the arrays of every argument but the "
+            "first (a train step's state), or 'none'."
         )
     if not callable(fn):
-        raise TypeError(f"Expected a function to compile, got {type(fn).__name__}.")
+        raise TypeError(
+            f"Expected a function to compile, got {type(fn).__name__} instead. "
+            "Pass the function itself: `async_filter_jit(step)`."
+        )
     return _AsyncJit(fn, donate)
