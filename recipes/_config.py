@@ -10,7 +10,8 @@ schema's `__post_init__`, with a message naming the key.
 
 The groups with one schema (`trainer`, `distributed`) are typed on `Config` itself.
 Groups whose options differ in shape (`model`, `data`, `optimizer`, `precision`) name
-their schema in their YAML file's defaults list: `- /schema/model/mlp@_here_`.
+their schema in their YAML file's defaults list: `- /schema/model/mlp@_here_`. The
+models' schemas are in `_model_config.py`.
 """
 
 from __future__ import annotations
@@ -24,17 +25,16 @@ from omegaconf import MISSING
 
 from lowtrain.numerics import FORMATS
 
+from ._checks import at_least as _at_least
+from ._checks import positive as _positive
+from ._model_config import Attention as Attention
+from ._model_config import CNNConfig as CNNConfig
+from ._model_config import GPTConfig as GPTConfig
+from ._model_config import GPTUnitConfig as GPTUnitConfig
+from ._model_config import MLPConfig as MLPConfig
+from ._model_config import MLPUnitConfig as MLPUnitConfig
+
 TASKS = ("mnist", "gpt")
-
-
-def _positive(value, key: str) -> None:
-    if not value > 0:
-        raise ValueError(f"Expected `{key}` > 0, got {value} instead.")
-
-
-def _at_least(value, low, key: str) -> None:
-    if not value >= low:
-        raise ValueError(f"Expected `{key}` >= {low}, got {value} instead.")
 
 
 def _check_optimizer(c) -> None:
@@ -191,96 +191,6 @@ class DistributedConfig:
                 "`distributed.num_processes` and `distributed.process_id`, or "
                 f"`distributed=auto`, got {keys} instead."
             )
-
-
-@dataclass
-class MLPConfig:
-    hidden: list[int] = field(default_factory=lambda: [512, 512])
-
-    def __post_init__(self):
-        for i, width in enumerate(self.hidden):
-            _positive(width, f"model.hidden[{i}]")
-
-
-@dataclass
-class CNNConfig:
-    channels: list[int] = field(default_factory=lambda: [32, 64])  # 3x3 conv + pool
-    hidden: int = 128
-
-    def __post_init__(self):
-        for i, width in enumerate(self.channels):
-            _positive(width, f"model.channels[{i}]")
-        if not 1 <= len(self.channels) <= 4:  # each stage halves the 28x28 image
-            raise ValueError(
-                f"Expected 1 to 4 `model.channels` (each conv stage halves the 28x28 "
-                f"image), got {len(self.channels)} instead."
-            )
-        _positive(self.hidden, "model.hidden")
-
-
-@dataclass
-class GPTConfig:
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64  # context length: the length of the training crops
-    scan_layers: bool = True  # run the blocks under `lax.scan`: one block to compile
-    # nanoGPT's dropout (embeddings, attention weights, residual branches) in
-    # training; 0.0 adds no op, so the step is bit for bit the one without it.
-    dropout: float = 0.0
-    # None: the data's vocabulary; else the embedding's rows, at least the data's
-    # (GPT-2's 50257 tokens padded to 50304, a multiple of 64, for the matmuls).
-    vocab_size: int | None = None
-
-    def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "block_size"):
-            _positive(getattr(self, name), f"model.{name}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(
-                f"Expected `model.dropout` in [0, 1), got {self.dropout} instead."
-            )
-        if self.vocab_size is not None:
-            _positive(self.vocab_size, "model.vocab_size")
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"Expected `model.n_embd` divisible by `model.n_head`, got "
-                f"{self.n_embd} and {self.n_head} instead."
-            )
-
-
-@dataclass
-class GPTUnitConfig:
-    """`model=gpt_unit`: `lowtrain.unit_scaling.TransformerDecoder` (unit-scaled, u-μP:
-    no position embedding, RMS norms, SwiGLU MLPs, residual weights by depth)."""
-
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64  # context length: the length of the training crops
-    # `uu.MLP(fold_scales=...)`: the SwiGLU's backward constants on its weight and
-    # input gradients (faster); false for float16 (`gpt_unit_fp16`), which overflows.
-    fold_mlp_scales: bool = True
-
-    def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "block_size"):
-            _positive(getattr(self, name), f"model.{name}")
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"Expected `model.n_embd` divisible by `model.n_head`, got "
-                f"{self.n_embd} and {self.n_head} instead."
-            )
-
-
-@dataclass
-class MLPUnitConfig:
-    """`model=mlp_unit`: a unit-scaled MLP (`uu.Linear`, `U.gelu`,
-    `uu.LinearReadout`)."""
-
-    hidden: list[int] = field(default_factory=lambda: [512, 512])
-
-    def __post_init__(self):
-        for i, width in enumerate(self.hidden):
-            _positive(width, f"model.hidden[{i}]")
 
 
 @dataclass

@@ -30,7 +30,7 @@ import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
 
 from . import _common
-from ._config import Config, GPTConfig, GPTUnitConfig, TextDataConfig
+from ._config import Attention, Config, GPTConfig, GPTUnitConfig, TextDataConfig
 from ._layers import LayerNorm, Linear, decay_mask
 from ._text_data import CharText, Crops, load_text
 
@@ -57,6 +57,8 @@ class Block(eqx.Module):
 
     With `dropout` > 0 and a `key`, nanoGPT's three dropouts: on the attention
     weights, and on the attention's and the MLP's outputs before the residual add.
+    `model.attention=fused`: the attention is one `lowtrain.dot_product_attention`
+    (cuDNN's kernel on a GPU in 16-bit; no dropout).
     """
 
     ln1: LayerNorm
@@ -67,6 +69,7 @@ class Block(eqx.Module):
     out: Linear
     n_head: int = eqx.field(static=True)
     dropout: float = eqx.field(static=True)
+    fused: bool = eqx.field(static=True)  # `lowtrain.dot_product_attention`
 
     def __init__(self, c: GPTConfig, *, key: PRNGKeyArray):
         k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -80,6 +83,7 @@ class Block(eqx.Module):
         self.fc = Linear(d, 4 * d, std=0.02, key=k3)
         self.out = Linear(4 * d, d, std=res, key=k4)
         self.n_head, self.dropout = c.n_head, c.dropout
+        self.fused = c.attention is Attention.fused
 
     def attention(
         self, x: Float[Array, "B T C"], key: PRNGKeyArray | None = None
@@ -90,6 +94,9 @@ class Block(eqx.Module):
             a.reshape(b, t, self.n_head, hs)  # (B, T, nh, hs)
             for a in jnp.split(self.qkv(x), 3, axis=-1)
         )
+        if self.fused:  # one op; no dropout (checked by `GPTConfig`)
+            y = lowtrain.dot_product_attention(q, k, v, is_causal=True)
+            return self.proj(y.reshape(b, t, c))
         att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hs)
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
         att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)  # (B,nh,T,T)

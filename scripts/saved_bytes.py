@@ -13,6 +13,7 @@ in seconds. Counted in the jaxpr, before XLA fuses or rematerialises anything.
 
     python scripts/saved_bytes.py --model gpt_small
     python scripts/saved_bytes.py --model gpt --rows fp32 bf16:precision.residuals=half
+    python scripts/saved_bytes.py --model gpt_small --set model.attention=einsum
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ ROWS = [
 MiB = 2**20
 
 
-def saved_bytes(model_name: str, row: str) -> dict[str, int]:
+def saved_bytes(model_name: str, row: str, common: tuple = ()) -> dict[str, int]:
     """`{dtype: bytes}` saved for the backward pass by the case `row`
-    ("<precision>[:override[,override...]]")."""
+    ("<precision>[:override[,override...]]"), with the Hydra overrides `common`
+    first."""
     precision, _, overrides = row.partition(":")
-    extra = [o for o in overrides.split(",") if o]
+    extra = [*common, *(o for o in overrides.split(",") if o)]
     case = throughput.make_case(model_name, precision, None, extra)
     trainer, p = case.trainer, case.trainer.precision
     params, static = eqx.partition(trainer.model, eqx.is_array)
@@ -67,12 +69,20 @@ def main(argv=None) -> None:
         "--model", default="gpt_small", choices=sorted(throughput.SIZES)
     )
     parser.add_argument("--rows", nargs="+", default=ROWS)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Hydra override for every row, e.g. model.attention=einsum",
+    )
     args = parser.parse_args(argv)
     print(f"Machine: {report.machine()}\n")
-    results = {row: saved_bytes(args.model, row) for row in args.rows}
+    results = {row: saved_bytes(args.model, row, tuple(args.set)) for row in args.rows}
     reference = sum(results.get("fp32", {}).values()) or None
+    common = "".join(f", {o}" for o in args.set)
     print(
-        f"Saved for the backward pass, `model={args.model}` (MiB):\n\n"
+        f"Saved for the backward pass, `model={args.model}{common}` (MiB):\n\n"
         "| precision | total | float32 | 16-bit | FP8 | other | total / fp32 |\n"
         "|---|---:|---:|---:|---:|---:|---:|"
     )

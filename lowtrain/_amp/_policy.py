@@ -87,7 +87,9 @@ class Policy(eqx.Module):
     - `compute_dtype`: the dtype `amp` casts float inputs to on entry, and that matmuls
       and convolutions run in;
     - `output_dtype`: the dtype of the float outputs `amp` returns;
-    - `rules`: per-primitive actions (see `lowtrain.amp` docs), on top of the defaults;
+    - `rules`: per-primitive actions (see `lowtrain.amp` docs), on top of the defaults,
+      and the action for `"dot_product_attention"` (`lowtrain.dot_product_attention`,
+      run whole in the dtype it gives);
     - `scopes`: per-`jax.named_scope` actions; a scope name may be a glob such as
       `"eqx.nn.*"`. For an op inside several matching scopes the outermost wins, and a
       scope rule takes precedence over the primitive rules;

@@ -79,11 +79,26 @@ _FLOAT32_REASONS = {
     "scatter-add": "embedding gradients sum many rows: float16 sums stall",
 }
 
-# The bits of a bitcast depend on the dtype: never change it.
-_KEEP = {"bitcast_convert_type": KEEP}
+# `lowtrain.dot_product_attention` is one op to `amp` (not a primitive: its jit, see
+# `lowtrain/_attention.py`): its operands are cast once and it runs whole, on a GPU as
+# cuDNN's fused kernel, which keeps its own softmax in float32 and never writes the
+# scores; so the compute dtype, as for a matmul.
+_ATTENTION = {"dot_product_attention": COMPUTE}
+
+# The bits of a bitcast depend on the dtype: never change it. cuDNN's attention
+# kernels (JAX binds them in the backward pass of the op above) take exactly the
+# dtypes their forward ran in.
+_KEEP = {
+    "bitcast_convert_type": KEEP,
+    **{
+        f"dot_product_attention_{part}": KEEP
+        for part in ("fwd", "bwd", "fwd_wrapper", "bwd_wrapper")
+    },
+}
 
 DEFAULT_RULES: dict[str, str] = {
     **_MATMUL,
+    **_ATTENTION,
     **{name: FLOAT32 for name in _FLOAT32_REASONS},
     **_KEEP,
 }

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import fp8
+from .._attention import attention_config, dot_product_attention
 from .._compat import COMBINER_PRIMITIVES
 from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
@@ -90,6 +91,26 @@ class _AmpInterpreter(Interpreter):
             if float_args and pref is not None and _is_float(pref):
                 params["preferred_element_type"] = float_args[0]
         return eqn.bind(*args, **params)
+
+    def higher_order(self, eqn: Eqn, *invals) -> list:
+        found = attention_config(eqn)
+        if found is None:
+            return super().higher_order(eqn, *invals)
+        # `lowtrain.dot_product_attention`: called again on operands cast as the
+        # policy says, so it runs whole in that dtype (cuDNN's kernel on a GPU)
+        # instead of its traced body being placed op by op. Its backward pass, which
+        # JAX derived from that call, runs as JAX wrote it.
+        config, written = found
+        if not written:
+            args = [self._cast(eqn, v, a.dtype) for v, a in zip(invals, eqn.in_avals)]
+            return eqn.bind(*args)
+        action = self.policy.action("dot_product_attention", eqn.scopes)
+        if action == KEEP:
+            args = [self._cast(eqn, v, a.dtype) for v, a in zip(invals, eqn.in_avals)]
+        else:
+            target = self._target(action, invals, eqn.weak)
+            args = [self._cast(eqn, v, target) for v in invals]
+        return [dot_product_attention(*args, **config._asdict())]
 
     def unsupported(self, eqn: Eqn, *invals) -> list:
         # Inside `amp_stop` (or any "keep" scope) a higher-order op we cannot look into

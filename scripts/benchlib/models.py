@@ -115,13 +115,17 @@ def _layer_norm_f32(ln, x: jax.Array) -> jax.Array:
 
 def _attention(block: Block, x: jax.Array, half, lin: Callable) -> jax.Array:
     """`Block.attention` on a half-precision `x`: projections in half, query scaling
-    and softmax in float32."""
+    and softmax in float32 (`model.attention=fused`: the whole attention one op in
+    half precision, which computes its softmax in float32)."""
     b, t, c = x.shape
     hs = c // block.n_head
     q, k, v = (
         a.reshape(b, t, block.n_head, hs)
         for a in jnp.split(lin(block.qkv, x), 3, axis=-1)
     )
+    if block.fused:  # one op in half precision: cuDNN's kernel on a GPU, as in `amp`
+        y = lowtrain.dot_product_attention(q, k, v, is_causal=True)
+        return lin(block.proj, y.reshape(b, t, c))
     # `/ sqrt(hs)` is a division, which the AMP policy runs in float32.
     att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hs)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
