@@ -127,7 +127,8 @@ def dot_product_attention(
 ) -> Float[Array, "batch q_seq heads head_size"]:
     """`jax.nn.dot_product_attention` (`softmax(scale * q @ k.T) @ v`, per head; layout
     `(batch, seq, heads, head_size)`, `scale` default `1 / sqrt(head_size)`), as one op
-    that `amp` runs whole.
+    that `amp` runs whole. The batch axis may be absent (one sequence, as in a
+    per-example Equinox model under `jax.vmap`) or several axes.
 
     Outside `amp` it is `jax.nn.dot_product_attention` with `implementation` chosen
     as follows when not given: cuDNN's fused kernel ("cudnn") on an NVIDIA GPU for
@@ -166,13 +167,17 @@ def dot_product_attention(
             f"Expected `implementation` None, 'xla' or 'cudnn', got {implementation!r} "
             "instead. None picks cuDNN where it runs and XLA elsewhere."
         )
+    lead = jnp.shape(query)[:-3]
     for name, x in (("query", query), ("key", key), ("value", value)):
-        if jnp.ndim(x) != 4:
+        if jnp.ndim(x) < 3 or jnp.shape(x)[:-3] != lead:
             raise ValueError(
-                f"Expected `{name}` of shape (batch, seq, heads, head_size), got shape "
-                f"{jnp.shape(x)} instead. Add a batch axis with `x[None]` for one "
-                "sequence."
+                f"Expected `{name}` of shape (..., seq, heads, head_size) with the "
+                f"query's leading axes {lead}, got shape {jnp.shape(x)} instead."
             )
     scale = None if scale is None else float(scale)
     config = AttentionConfig(bool(is_causal), scale, implementation)
-    return _op(config)(query, key, value)
+    # Leading axes (none, or several: a `vmap` over a batched call) become one batch
+    # axis: the op's jit always sees (batch, seq, heads, head_size).
+    flat = [jnp.reshape(x, (-1, *jnp.shape(x)[-3:])) for x in (query, key, value)]
+    out = _op(config)(*flat)
+    return out.reshape(*lead, *out.shape[1:])

@@ -91,8 +91,27 @@ def test_rejects_bad_arguments():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="Expected `implementation` None, 'xla'"):
         lowtrain.dot_product_attention(q, k, v, implementation="flash")
-    with pytest.raises(ValueError, match=r"Expected `query` of shape \(batch, seq"):
+    with pytest.raises(ValueError, match=r"Expected `key` of shape \(\.\.\., seq"):
         lowtrain.dot_product_attention(q[0], k, v)
+    with pytest.raises(ValueError, match=r"Expected `query` of shape \(\.\.\., seq"):
+        lowtrain.dot_product_attention(q[0, 0], k[0, 0], v[0, 0])
+
+
+def test_any_leading_axes_and_vmap():
+    q, k, v = qkv()
+    batched = causal(q, k, v)
+    # One sequence (what a per-example Equinox model passes), under `jax.vmap`.
+    np.testing.assert_allclose(jax.vmap(causal)(q, k, v), batched, atol=1e-6)
+    np.testing.assert_allclose(causal(q[1], k[1], v[1]), batched[1], atol=1e-6)
+    # Two leading axes; and `amp` of a vmapped call (the op's jit batched by vmap).
+    two = causal(*(x.reshape(1, *x.shape) for x in (q, k, v)))
+    np.testing.assert_allclose(two[0], batched, atol=1e-6)
+    half = lowtrain.amp(jax.vmap(causal), "bf16")(q, k, v)
+    np.testing.assert_allclose(half, batched, atol=0.05)
+    (call,) = attention_eqns(
+        make_jaxpr(lowtrain.amp(jax.vmap(causal), "bf16"))(q, k, v)
+    )
+    assert float_in_dtypes(call) == {BF16}
 
 
 @pytest.mark.parametrize("policy, half", [("bf16", BF16), ("fp16", F16), ("fp8", BF16)])
