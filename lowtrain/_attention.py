@@ -172,7 +172,9 @@ def dot_product_attention(
         if jnp.ndim(x) < 3 or jnp.shape(x)[:-3] != lead:
             raise ValueError(
                 f"Expected `{name}` of shape (..., seq, heads, head_size) with the "
-                f"query's leading axes {lead}, got shape {jnp.shape(x)} instead."
+                f"query's leading axes {lead}, got shape {jnp.shape(x)} instead. "
+                "Lay out query, key and value as (batch, seq, heads, head_size), or "
+                "(seq, heads, head_size) for one sequence."
             )
     scale = None if scale is None else float(scale)
     config = AttentionConfig(bool(is_causal), scale, implementation)

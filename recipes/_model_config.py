@@ -72,7 +72,8 @@ class GPTConfig:
         if self.attention not in (*Attention, *names):
             raise ValueError(
                 f"Expected `model.attention` in {names}, got {self.attention!r} "
-                "instead."
+                "instead. Use `einsum` (op by op) or `fused` (one op: cuDNN's on a "
+                "GPU)."
             )
         self.attention = Attention(self.attention)
         if self.attention is Attention.fused and self.dropout:

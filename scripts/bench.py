@@ -83,13 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--save-hlo", default=None, help="folder for each step's optimized HLO text"
     )
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a Hydra override for every case, e.g. precision.residuals=half",
-    )
+    throughput.add_set_argument(parser, "case", "precision.residuals=half")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
     args.precisions = args.precisions.split(",")

@@ -69,13 +69,7 @@ def main(argv=None) -> None:
         "--model", default="gpt_small", choices=sorted(throughput.SIZES)
     )
     parser.add_argument("--rows", nargs="+", default=ROWS)
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a Hydra override for every row, e.g. model.attention=einsum",
-    )
+    throughput.add_set_argument(parser, "row", "model.attention=einsum")
     args = parser.parse_args(argv)
     print(f"Machine: {report.machine()}\n")
     results = {row: saved_bytes(args.model, row, tuple(args.set)) for row in args.rows}

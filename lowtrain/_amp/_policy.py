@@ -157,38 +157,29 @@ class Policy(eqx.Module):
             )
         self.residuals = residuals
 
-    def with_rules(self, **rules) -> Policy:
-        """A copy with these primitive rules added: `with_rules(tanh="compute")`."""
+    def _replace(self, **changes) -> Policy:
+        # A new Policy (so every field is checked again) with `changes` applied.
+        fields = dict(
+            rules=dict(self.rules), scopes=dict(self.scopes), residuals=self.residuals
+        )
         return Policy(
             self.param_dtype,
             self.compute_dtype,
             self.output_dtype,
-            rules={**dict(self.rules), **rules},
-            scopes=dict(self.scopes),
-            residuals=self.residuals,
+            **(fields | changes),
         )
+
+    def with_rules(self, **rules) -> Policy:
+        """A copy with these primitive rules added: `with_rules(tanh="compute")`."""
+        return self._replace(rules={**dict(self.rules), **rules})
 
     def with_scopes(self, scopes: Mapping[str, object]) -> Policy:
         """A copy with these scope rules added: `with_scopes({"head": "float32"})`."""
-        return Policy(
-            self.param_dtype,
-            self.compute_dtype,
-            self.output_dtype,
-            rules=dict(self.rules),
-            scopes={**dict(self.scopes), **scopes},
-            residuals=self.residuals,
-        )
+        return self._replace(scopes={**dict(self.scopes), **scopes})
 
     def with_residuals(self, residuals: str) -> Policy:
         """A copy that saves `residuals` ("all" or "half") for the backward pass."""
-        return Policy(
-            self.param_dtype,
-            self.compute_dtype,
-            self.output_dtype,
-            rules=dict(self.rules),
-            scopes=dict(self.scopes),
-            residuals=residuals,
-        )
+        return self._replace(residuals=residuals)
 
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
         """The action for primitive `primitive` inside `scopes` (outermost first)."""

@@ -101,15 +101,16 @@ class _AmpInterpreter(Interpreter):
         # instead of its traced body being placed op by op. Its backward pass, which
         # JAX derived from that call, runs as JAX wrote it.
         config, written = found
-        if not written:
-            args = [self._cast(eqn, v, a.dtype) for v, a in zip(invals, eqn.in_avals)]
-            return eqn.bind(*args)
-        action = self.policy.action("dot_product_attention", eqn.scopes)
+        action = (
+            self.policy.action("dot_product_attention", eqn.scopes) if written else KEEP
+        )
         if action == KEEP:
             args = [self._cast(eqn, v, a.dtype) for v, a in zip(invals, eqn.in_avals)]
         else:
             target = self._target(action, invals, eqn.weak)
             args = [self._cast(eqn, v, target) for v in invals]
+        if not written:
+            return eqn.bind(*args)
         return [dot_product_attention(*args, **config._asdict())]
 
     def unsupported(self, eqn: Eqn, *invals) -> list:

@@ -132,6 +132,18 @@ class Case:
         return float((6 * n + attention) * self.tokens)
 
 
+def add_set_argument(parser, what: str, example: str) -> None:
+    """`--set KEY=VALUE`, repeatable: the Hydra overrides `make_case` applies to
+    every `what` (a script's cases or rows), in `args.set`."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a Hydra override for every {what}, e.g. {example}",
+    )
+
+
 def compose_config(recipe: str, overrides: list[str]):
     """The recipe's composed config (`DictConfig`) and its checked `Config`."""
     with initialize_config_module("lowtrain.conf", version_base="1.3"):
