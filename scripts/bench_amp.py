@@ -11,8 +11,10 @@ vocabulary 64, the blocks under `lax.scan`).
    against the same step written by hand in the style of jmp/mpx: parameters and
    inputs cast to the compute dtype, matmuls in half precision, and layer norm,
    softmax, GELU and the cross-entropy upcast to float32 by hand and cast back before
-   the next matmul, i.e. the placement the default AMP policy gives. Both compute the
-   same loss (the table checks it). A second hand-written step sums its bias
+   the next matmul, i.e. the placement the default AMP policy gives; for the "fp8"
+   preset, each matmul a `lowtrain.fp8.fp8_dot_general` called by hand (its operands
+   as they come, the rest in bfloat16). Both compute the same loss (the table checks
+   it), under "fp16", "bf16" and "fp8". A second hand-written step sums its bias
    gradients in float32 as `amp` does (plain autodiff sums them in half precision):
    amp against it is the cost of the transform itself. Each time is the
    median over `--steps` steps after warmup; the variants alternate in rounds of 5

@@ -7,11 +7,13 @@ import pathlib
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+TWINS = ("fp32", "bf16", "fp16", "fp8")  # the precisions with a hand-cast twin
 
 
 def run_bench(out, *args):
@@ -71,8 +73,8 @@ def test_bench_quick_every_precision(tmp_path):
     for precision, row in rows.items():
         if not precision.startswith("unit"):  # unit: another model, other params
             check_row(row, precision)
-        # Hand-cast twins exist for fp32, bf16 and fp16 only.
-        assert (row["vs_hand"] is None) == (precision not in ("fp32", "bf16", "fp16"))
+        # Hand-cast twins exist for fp32, bf16, fp16 and fp8.
+        assert (row["vs_hand"] is None) == (precision not in TWINS)
 
 
 @pytest.mark.gpu
@@ -100,7 +102,7 @@ def test_bench_cases_are_the_recipes_trainers(monkeypatch):
         case = throughput.make_case("quick", precision, 4)
         assert case.config.precision.name == precision
         assert (case.batch_size, case.block_size, case.tokens) == (4, 16, 64)
-        assert (case.hand_loss is None) == (precision not in ("fp32", "bf16", "fp16"))
+        assert (case.hand_loss is None) == (precision not in TWINS)
         parts = getattr(case.trainer.precision, "parts", (case.trainer.precision,))
         if precision in ("fp32", "bf16", "fp16", "fp8"):
             assert parts[0].policy == lowtrain.get_policy(precision)
@@ -136,6 +138,68 @@ def test_bench_cases_are_the_recipes_trainers(monkeypatch):
     )
     hlo = cublas + fused.format(i=1, t="f8e5m2") + fused.format(i=2, t="bf16")
     assert throughput.count_fp8_gemms(hlo, lowered) == (1, 1, 6)
+
+
+def _value_grad_and_fp8_casts(loss, model, x, y):
+    """The loss and gradients of `loss`, compiled with XLA's excess precision off (so
+    each op rounds as written), and the FP8 dtypes its jaxpr casts to, one per cast."""
+    from .helpers import iter_eqns
+
+    step = eqx.filter_value_and_grad(loss)
+    fn = lambda m, x, y: step(m, x, y)
+    lowered = jax.jit(fn).lower(model, x, y)
+    value, grads = lowered.compile({"xla_allow_excess_precision": False})(model, x, y)
+    casts = [
+        str(e.params["new_dtype"])
+        for e in iter_eqns(jax.make_jaxpr(fn)(model, x, y))
+        if e.primitive.name == "convert_element_type"
+        and "float8" in str(e.params["new_dtype"])
+    ]
+    leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
+    return (
+        value,
+        jnp.concatenate([g.astype(jnp.float32).ravel() for g in leaves]),
+        casts,
+    )
+
+
+@pytest.mark.parametrize(
+    "precision, attention",
+    [("bf16", "einsum"), ("fp16", "fused"), ("fp8", "einsum"), ("fp8", "fused")],
+)
+def test_hand_cast_twins_compute_the_trainers_loss(monkeypatch, precision, attention):
+    # The hand-cast twin places every op of the forward pass as `amp` does under the
+    # recipe's policy: the same loss to the last bit, the same FP8 casts, close
+    # gradients (the bias gradients sum in half precision by hand, in float32 under
+    # amp).
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchlib import models, throughput
+
+    import lowtrain
+
+    extra = [f"model.attention={attention}", "model.dropout=0"]
+    case = throughput.make_case("quick", precision, 4, extra)
+    policy = case.trainer.precision.policy
+    assert policy == lowtrain.get_policy(precision)
+    batch = throughput.synthetic_data(case)(0)
+    args = (case.trainer.model, batch["x"], batch["y"])
+    # The twins mix dtypes as a jmp-style loop does (bf16 * f32 -> f32): standard
+    # promotion, as scripts/bench.py runs them.
+    with jax.numpy_dtype_promotion("standard"):
+        amp_loss, amp_grads, amp_casts = _value_grad_and_fp8_casts(
+            lowtrain.amp(models.loss, policy), *args
+        )
+        hand_loss, hand_grads, hand_casts = _value_grad_and_fp8_casts(
+            case.hand_loss, *args
+        )
+    assert amp_loss == hand_loss
+    # 1 layer: qkv, proj, fc, out and the tied head (and the 2 attention einsums
+    # unless fused): two E4M3 operands forward, one E5M2 cotangent backward, each.
+    n = 5 if attention == "fused" else 7
+    expected = ["float8_e4m3fn"] * 2 * n + ["float8_e5m2"] * n
+    assert sorted(amp_casts) == sorted(hand_casts) == (expected * (precision == "fp8"))
+    gap = jnp.linalg.norm(amp_grads - hand_grads) / jnp.linalg.norm(amp_grads)
+    assert float(gap) < 0.02
 
 
 def test_fp8_gemm_patterns_compute_the_same_products(monkeypatch):

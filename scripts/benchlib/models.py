@@ -11,12 +11,13 @@ back before the next matmul. That is the placement `lowtrain.amp`'s default poli
 gives, so both compute the same loss (the step-time table checks it). With
 `f32_sums=True` the bias gradients (sums over the batch) also accumulate in float32,
 as `amp` sums them, where plain autodiff of the hand-placed loss sums them in half
-precision: the same forward pass, and the backward placement of `amp`.
+precision: the same forward pass, and the backward placement of `amp`. With
+`fp8=True` (`hand_gpt_loss`) every matmul runs through `lowtrain.fp8.fp8_dot_general`
+instead, called by hand at each einsum: the placement of `amp`'s "fp8" preset.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import lowtrain
+import lowtrain.fp8 as fp8
 from lowtrain.recipes._config import GPTConfig
 from lowtrain.recipes._layers import Linear
 from lowtrain.recipes.gpt import GPT, Block
@@ -83,55 +85,95 @@ def _add_bias_bwd(_, g):
 _add_bias_f32_grad.defvjp(_add_bias_fwd, _add_bias_bwd)
 
 
-def _linear(layer: Linear, x: jax.Array, f32_sums: bool) -> jax.Array:
-    """The recipe's `Linear` on `x`; with `f32_sums`, its bias gradient (a sum over
-    the batch) accumulates in float32, as under `lowtrain.amp`'s policy, rather than
-    in the dtype of the bias as plain autodiff has it."""
-    if not f32_sums:
-        return layer(x)
-    return _add_bias_f32_grad(jnp.einsum("...i,io->...o", x, layer.kernel), layer.bias)
-
-
-def hand_mlp_loss(half, f32_sums: bool = False) -> Callable:
-    """The MLP loss in mixed precision: `MLP.__call__` (Linear and ReLU) in `half`,
-    the cross-entropy in float32. `f32_sums`: see `_linear`."""
-
-    def hand_loss(model: MLP, images: jax.Array, labels: jax.Array) -> jax.Array:
-        m = cast_floats(model, half)
-        x = images.astype(half).reshape(images.shape[0], 784)
-        for layer in m.layers[:-1]:
-            x = jax.nn.relu(_linear(layer, x, f32_sums))
-        logits = _linear(m.layers[-1], x, f32_sums)
-        return cross_entropy(logits, labels)  # upcasts the logits
-
-    return hand_loss
-
-
 def _layer_norm_f32(ln, x: jax.Array) -> jax.Array:
     """The recipe's `LayerNorm` computed in float32 (on float32 copies of its
     half-precision parameters and of `x`)."""
     return cast_floats(ln, F32)(x.astype(F32))
 
 
-def _attention(block: Block, x: jax.Array, half, lin: Callable) -> jax.Array:
-    """`Block.attention` on a half-precision `x`: projections in half, query scaling
-    and softmax in float32 (`model.attention=fused`: the whole attention one op in
-    half precision, which computes its softmax in float32)."""
+@dataclass(frozen=True)
+class Matmuls:
+    """How the hand-placed GPT runs its matmuls: `half`, the dtype of the parameters
+    and of the activations between ops; `fp8`, each matmul through
+    `lowtrain.fp8.fp8_dot_general` (E4M3 operands, E5M2 cotangent, current scaling),
+    as a user injects FP8 into einsums by hand (Flax's `fp8_ops` style); `f32_sums`:
+    the bias gradients (sums over the batch) accumulate in float32, as under
+    `lowtrain.amp`'s policy, rather than in the dtype of the bias as plain autodiff
+    has it.
+
+    Under `amp`'s "fp8" preset a matmul takes its operands in whatever dtype they come
+    (a layer norm's float32 output is quantized to E4M3 from float32) and returns
+    the compute dtype; under "bf16"/"fp16" they are cast to the compute dtype first.
+    `operand` and `einsum` place them the same way here."""
+
+    half: Any
+    fp8: bool = False
+    f32_sums: bool = False
+
+    def operand(self, x: jax.Array) -> jax.Array:
+        """`x` as a matmul takes it: cast to `half`, or as it is for FP8."""
+        return x if self.fp8 else x.astype(self.half)
+
+    def einsum(self, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+        """`jnp.einsum(spec, a, b)`, its `dot_general` in FP8 when `fp8` (which
+        returns `half` whatever the operands' dtypes, as under `amp`)."""
+        if not self.fp8:
+            return jnp.einsum(spec, a, b)
+        dot = self._fp8_dot_general
+        return jnp.einsum(
+            spec, a, b, preferred_element_type=self.half, _dot_general=dot
+        )
+
+    def _fp8_dot_general(self, lhs, rhs, dimension_numbers, precision=None, **_):
+        # `jnp.einsum`'s `_dot_general` hook; the FP8 op returns `half`.
+        return fp8.fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=self.half)
+
+    def linear(self, layer: Linear, x: jax.Array) -> jax.Array:
+        """The recipe's `Linear` on `x` (the `Linear.__call__` einsum)."""
+        y = self.einsum("...i,io->...o", x, layer.kernel)
+        if layer.bias is None:
+            return y
+        if self.f32_sums:
+            return _add_bias_f32_grad(y, layer.bias)
+        return y + jnp.broadcast_to(layer.bias, y.shape)
+
+
+def hand_mlp_loss(half, f32_sums: bool = False, fp8: bool = False) -> Callable:
+    """The MLP loss in mixed precision: `MLP.__call__` (Linear and ReLU) in `half`,
+    the cross-entropy in float32. `f32_sums`, `fp8`: see `Matmuls`."""
+    mm = Matmuls(jnp.dtype(half), fp8=fp8, f32_sums=f32_sums)
+
+    def hand_loss(model: MLP, images: jax.Array, labels: jax.Array) -> jax.Array:
+        m = cast_floats(model, half)
+        x = images.astype(half).reshape(images.shape[0], 784)
+        for layer in m.layers[:-1]:
+            x = jax.nn.relu(mm.linear(layer, x))
+        logits = mm.linear(m.layers[-1], x)
+        return cross_entropy(logits, labels)  # upcasts the logits
+
+    return hand_loss
+
+
+def _attention(block: Block, x: jax.Array, mm: Matmuls) -> jax.Array:
+    """`Block.attention` on the layer norm's float32 output `x`: projections in
+    half (or FP8), query scaling and softmax in float32 (`model.attention=fused`:
+    the whole attention one op in half precision, which computes its softmax in
+    float32)."""
     b, t, c = x.shape
     hs = c // block.n_head
     q, k, v = (
         a.reshape(b, t, block.n_head, hs)
-        for a in jnp.split(lin(block.qkv, x), 3, axis=-1)
+        for a in jnp.split(mm.linear(block.qkv, mm.operand(x)), 3, axis=-1)
     )
     if block.fused:  # one op in half precision: cuDNN's kernel on a GPU, as in `amp`
         y = lowtrain.dot_product_attention(q, k, v, is_causal=True)
-        return lin(block.proj, y.reshape(b, t, c))
+        return mm.linear(block.proj, y.reshape(b, t, c))
     # `/ sqrt(hs)` is a division, which the AMP policy runs in float32.
-    att = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hs)
+    att = mm.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hs)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
-    att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1).astype(half)
-    y = jnp.einsum("bhqk,bkhd->bqhd", att, v)
-    return lin(block.proj, y.reshape(b, t, c))
+    att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
+    y = mm.einsum("bhqk,bkhd->bqhd", mm.operand(att), v)
+    return mm.linear(block.proj, y.reshape(b, t, c))
 
 
 def _gelu(h: jax.Array) -> jax.Array:
@@ -143,17 +185,18 @@ def _gelu(h: jax.Array) -> jax.Array:
     return 0.5 * h * lax.erfc((-h * sqrt_half).astype(F32))
 
 
-def _block(block: Block, x: jax.Array, half, lin: Callable) -> jax.Array:
+def _block(block: Block, x: jax.Array, mm: Matmuls) -> jax.Array:
     """`Block.__call__` with half-precision `block` and `x`: layer norms and GELU in
-    float32, cast back to `half` before the matmuls."""
-    x = x + _attention(block, _layer_norm_f32(block.ln1, x).astype(half), half, lin)
-    h = lin(block.fc, _layer_norm_f32(block.ln2, x).astype(half))
-    return x + lin(block.out, _gelu(h).astype(half))
+    float32, their outputs given to the matmuls as `mm.operand` places them."""
+    x = x + _attention(block, _layer_norm_f32(block.ln1, x), mm)
+    h = mm.linear(block.fc, mm.operand(_layer_norm_f32(block.ln2, x)))
+    return x + mm.linear(block.out, mm.operand(_gelu(h)))
 
 
-def _hand_gpt_logits(model: GPT, tokens: jax.Array, half, lin: Callable):
+def _hand_gpt_logits(model: GPT, tokens: jax.Array, mm: Matmuls):
     """`GPT.__call__` in mixed precision; `model` holds float32 parameters."""
     b, t = tokens.shape
+    half = mm.half
     # The embedding rows are gathered from the float32 table and cast (the same
     # values as gathering from the cast table), so that the gather's gradient, a
     # scatter-add, sums in float32 as the AMP policy has it.
@@ -162,22 +205,25 @@ def _hand_gpt_logits(model: GPT, tokens: jax.Array, half, lin: Callable):
     x = rows + jnp.broadcast_to(m.wpe[:t], (b, t, m.wpe.shape[1]))
     params, static = eqx.partition(m.blocks, eqx.is_array)
     if m.scan_layers:
-        step = lambda x, p: (_block(eqx.combine(p, static), x, half, lin), None)
+        step = lambda x, p: (_block(eqx.combine(p, static), x, mm), None)
         x, _ = lax.scan(step, x, params)
     else:
         for i in range(jax.tree.leaves(params)[0].shape[0]):
             layer = jax.tree.map(lambda a, i=i: a[i], params)
-            x = _block(eqx.combine(layer, static), x, half, lin)
-    h = _layer_norm_f32(m.ln_f, x).astype(half)
-    return jnp.einsum("btc,vc->btv", h, m.wte)
+            x = _block(eqx.combine(layer, static), x, mm)
+    h = mm.operand(_layer_norm_f32(m.ln_f, x))
+    return mm.einsum("btc,vc->btv", h, m.wte)
 
 
-def hand_gpt_loss(half, f32_sums: bool = False) -> Callable:
-    """The GPT loss with mixed precision placed by hand. `f32_sums`: see `_linear`."""
-    lin = functools.partial(_linear, f32_sums=f32_sums)
+def hand_gpt_loss(half, f32_sums: bool = False, fp8: bool = False) -> Callable:
+    """The GPT loss with mixed precision placed by hand: parameters and activations
+    in `half`; `fp8`: every matmul through `lowtrain.fp8` (the "fp8" policy's
+    placement, `half` bfloat16). `f32_sums`: see `Matmuls`. `twin` picks these
+    arguments for an `amp` preset."""
+    mm = Matmuls(jnp.dtype(half), fp8=fp8, f32_sums=f32_sums)
 
     def hand_loss(model: GPT, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        return cross_entropy(_hand_gpt_logits(model, tokens, half, lin), targets)
+        return cross_entropy(_hand_gpt_logits(model, tokens, mm), targets)
 
     return hand_loss
 
@@ -190,8 +236,8 @@ def hand_gpt_loss(half, f32_sums: bool = False) -> Callable:
 @dataclass
 class Case:
     """A model, its loss in hand-placed mixed precision, and a batch (the float32
-    loss is `loss` for every case). `hand_loss(half, f32_sums=False)` returns the
-    hand-placed loss."""
+    loss is `loss` for every case). `hand_loss(half, f32_sums=False, fp8=False)`
+    returns the hand-placed loss (`twin` calls it for a preset)."""
 
     name: str
     model: eqx.Module
@@ -234,12 +280,18 @@ def make_cases() -> list[Case]:
     return [mlp_case(key_mlp), gpt_case(key_gpt)]
 
 
+def twin(hand_loss: Callable[..., Callable], policy: str, **kw) -> Callable:
+    """The loss `hand_loss` (`hand_mlp_loss`, `hand_gpt_loss`) places by hand as
+    `amp`'s preset `policy` places it: "fp16", "bf16" (everything but the float32 ops
+    in that dtype) or "fp8" (FP8 matmuls, the rest in the preset's bfloat16)."""
+    if policy == "fp8":
+        return hand_loss(lowtrain.get_policy(policy).compute_dtype, fp8=True, **kw)
+    return hand_loss(HALF[policy], **kw)
+
+
 def half_residuals(policy: str) -> lowtrain.Policy:
     """`policy` with `residuals="half"`: only compute-dtype values are saved."""
-    p = lowtrain.get_policy(policy)
-    return lowtrain.Policy(
-        p.param_dtype, p.compute_dtype, p.output_dtype, residuals="half"
-    )
+    return lowtrain.get_policy(policy).with_residuals("half")
 
 
 def variant_losses(case: Case, policy: str) -> dict[str, Callable]:
@@ -249,8 +301,8 @@ def variant_losses(case: Case, policy: str) -> dict[str, Callable]:
     return {
         "amp": lowtrain.amp(loss, policy),
         "amp_half": lowtrain.amp(loss, half_residuals(policy)),
-        "hand": case.hand_loss(HALF[policy]),
-        "hand_f32_sums": case.hand_loss(HALF[policy], f32_sums=True),
+        "hand": twin(case.hand_loss, policy),
+        "hand_f32_sums": twin(case.hand_loss, policy, f32_sums=True),
     }
 
 

@@ -22,7 +22,7 @@ from lowtrain import _compat
 from . import models, residuals, timing
 
 MiB = 2**20
-POLICIES = ("fp16", "bf16")
+POLICIES = ("fp16", "bf16", "fp8")
 
 
 def machine() -> str:

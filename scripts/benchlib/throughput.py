@@ -6,7 +6,8 @@ A `Case` is one model size in one precision: its config composed from the recipe
 by the recipe's own code (`recipes.gpt.build_model`, `recipes._common.optimizer` and
 `trainer_options`, so the `precision` configs' factories in `recipes/precisions.py`),
 and its hand-cast twin where `benchlib.models` has one (fp32: the plain float32 loss;
-bf16, fp16: `hand_gpt_loss`, mixed precision placed by hand, jmp/mpx style).
+bf16, fp16: `hand_gpt_loss`, mixed precision placed by hand, jmp/mpx style; fp8: the
+same with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand).
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def make_case(
     hand = None
     if precision == "fp32":
         hand = models.loss
-    elif precision in models.HALF:
-        hand = models.hand_gpt_loss(models.HALF[precision])
+    elif precision in ("bf16", "fp16", "fp8"):
+        hand = models.twin(models.hand_gpt_loss, precision)
     return Case(
         model_name,
         precision,
