@@ -29,7 +29,11 @@ compiled step is timed:
   fusions of FP8 operands in the optimized HLO (XLA's autotuner picks either) against
   the `dot_general`s of the step (forward and backward);
 - the Trainer's overhead (char-GPT only): `Trainer.fit` against a plain loop calling
-  the same compiled step on the same data, interleaved (`benchlib/overhead.py`).
+  the same compiled step on the same data, interleaved (`benchlib/overhead.py`);
+- issue 13's targets for each model, from these rows: bf16 against fp32 and fp8
+  against bf16 (step time), bf16's MFU, bf16's peak memory against fp32's, the
+  largest lowtrain / hand and fit / plain; met or missed (speed and memory of low
+  precision get no verdict on a CPU, which emulates it).
 
 Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`; with
 `--save-hlo DIR` each step's optimized HLO too. A case that fails (out of memory,
@@ -195,9 +199,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    isolate = args.isolate == "yes" or (
-        args.isolate == "auto" and jax.default_backend() == "gpu"
-    )
+    gpu = jax.default_backend() == "gpu"
+    isolate = args.isolate == "yes" or (args.isolate == "auto" and gpu)
     start = time.perf_counter()
     machine = report.machine()
     device = (
@@ -211,10 +214,11 @@ def main(argv=None) -> None:
             rows.append(run(model_name, precision, args))
             print(benchtable.row_line(rows[-1]), flush=True)
             # Written after every row: a long run interrupted keeps what it measured.
-            tables = benchtable.markdown(rows, machine, device, args)
+            tables = benchtable.markdown(rows, machine, device, args, gpu)
             (out / "bench.md").write_text(tables + "\n")
             meta = {"machine": machine, "device": device, "argv": sys.argv[1:]}
-            rows_json = json.dumps({**meta, "rows": rows}, indent=2)
+            targets = benchtable.targets(rows, gpu)
+            rows_json = json.dumps({**meta, "rows": rows, "targets": targets}, indent=2)
             (out / "bench.json").write_text(rows_json)
     print("\n" + tables)
     benchtable.bar_chart(rows, out / "bench.png", device)

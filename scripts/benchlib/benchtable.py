@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 MiB = 2**20
 
@@ -43,8 +45,9 @@ def _fp8(row: dict) -> str:
     )
 
 
-def markdown(rows: list[dict], machine: str, device: str, args) -> str:
-    """The step table, and the Trainer-overhead table when there are such rows."""
+def markdown(rows: list[dict], machine: str, device: str, args, gpu: bool) -> str:
+    """The step table, the Trainer-overhead table when there are such rows, and the
+    targets table (`gpu`: measured on a GPU)."""
     failed = [r for r in rows if "error" in r]
     rows = [r for r in rows if "error" not in r]
     memory = rows[0]["memory_source"] if rows else ""
@@ -97,6 +100,135 @@ def markdown(rows: list[dict], machine: str, device: str, args) -> str:
             "the same `trainer.compiled_step`; chunks of "
             f"{args.overhead_steps} steps alternating, median seconds per step."
         )
+    return "\n".join([*lines, "", targets_table(rows, gpu)])
+
+
+def _speedup(rows: dict, slow: str, fast: str) -> float | None:
+    """Step time of precision `slow` over that of `fast` (one model's rows)."""
+    if slow in rows and fast in rows:
+        return rows[slow]["step_s"] / rows[fast]["step_s"]
+    return None
+
+
+def _memory(rows: dict) -> float | None:
+    """Peak memory of bf16 over that of fp32."""
+    if "bf16" in rows and "fp32" in rows and rows["fp32"]["memory_bytes"]:
+        return rows["bf16"]["memory_bytes"] / rows["fp32"]["memory_bytes"]
+    return None
+
+
+def _worst(rows: dict, value: Callable[[dict], float | None]) -> tuple | None:
+    """`(largest value, its precision)` over the rows that have one."""
+    found = [(v, p) for p, r in rows.items() if (v := value(r)) is not None]
+    return max(found) if found else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One of issue 13's targets (docs/performance.md), as one model's rows
+    (`{precision: row}`) measure it: `value` returns a number, or `(number, the
+    precision it comes from)`, or None when the rows needed were not measured."""
+
+    name: str
+    value: Callable[[dict], float | tuple | None]
+    limit: float
+    at_most: bool  # met when the value is <= limit (else >=)
+    fmt: str  # of the value and the limit
+    gpu_only: bool  # low precision is emulated on a CPU: no verdict there
+
+
+TARGETS = (
+    Target(
+        "bf16 step >= 2.0x fp32",
+        lambda r: _speedup(r, "fp32", "bf16"),
+        2.0,
+        False,
+        "{:.2f}x",
+        True,
+    ),
+    Target(
+        "fp8 step >= 1.3x bf16",
+        lambda r: _speedup(r, "bf16", "fp8"),
+        1.3,
+        False,
+        "{:.2f}x",
+        True,
+    ),
+    Target(
+        "bf16 MFU >= 40%",
+        lambda r: r.get("bf16", {}).get("mfu"),
+        0.40,
+        False,
+        "{:.1%}",
+        True,
+    ),
+    Target("peak memory of bf16 <= 0.6x fp32", _memory, 0.6, True, "{:.2f}x", True),
+    Target(
+        "lowtrain within 1.03x of its hand-cast twin",
+        lambda r: _worst(r, lambda row: row["vs_hand"]),
+        1.03,
+        True,
+        "{:.3f}",
+        False,
+    ),
+    Target(
+        "`Trainer.fit` <= 1.05x a plain loop",
+        lambda r: _worst(r, lambda row: row.get("overhead", {}).get("ratio")),
+        1.05,
+        True,
+        "{:.3f}",
+        False,
+    ),
+)
+
+
+def targets(rows: list[dict], gpu: bool) -> list[dict]:
+    """For each model of `rows` and each of `TARGETS`: the measured value, the
+    precision it comes from (for the worst-case ones) and the verdict: "met",
+    "missed", "not measured" (rows missing) or "no verdict on a CPU"."""
+    by_model: dict[str, dict] = {}
+    for r in rows:
+        if "error" not in r:
+            by_model.setdefault(r["model"], {})[r["precision"]] = r
+    found = []
+    for model, mine in by_model.items():
+        for t in TARGETS:
+            value, precision = t.value(mine), None
+            if isinstance(value, tuple):
+                value, precision = value
+            if value is None:
+                verdict = "not measured"
+            elif t.gpu_only and not gpu:
+                verdict = "no verdict on a CPU"
+            else:
+                met = value <= t.limit if t.at_most else value >= t.limit
+                verdict = "met" if met else "missed"
+            found.append(
+                {
+                    "model": model,
+                    "target": t.name,
+                    "value": value,
+                    "precision": precision,
+                    "verdict": verdict,
+                    "text": "–" if value is None else t.fmt.format(value),
+                }
+            )
+    return found
+
+
+def targets_table(rows: list[dict], gpu: bool) -> str:
+    """`targets` as markdown."""
+    lines = ["| model | target | measured | |", "|---|---|---:|---|"]
+    for t in targets(rows, gpu):
+        where = f" ({t['precision']})" if t["precision"] else ""
+        lines.append(
+            f"| {t['model']} | {t['target']} | {t['text']}{where} | {t['verdict']} |"
+        )
+    lines.append(
+        "\nIssue 13's targets are for one H100: the speed and memory of low "
+        "precision get no verdict on a CPU, which emulates it. lowtrain / hand and "
+        "fit / plain: the largest over the precisions measured."
+    )
     return "\n".join(lines)
 
 
