@@ -244,6 +244,33 @@ def _check_all_dots_fp8(jaxpr, min_dots):
     return sources
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_under_checkpoint_the_saved_fp8_operands_keep_their_values(delayed, getkey):
+    # `jax.checkpoint` passes every float residual it saves through
+    # `reduce_precision` with the format's exponent and mantissa bits, IEEE-style:
+    # for E4M3 (no infinities, largest 448) that maps values above 240 to NaN. The
+    # FP8 ops save their operands as bits, so checkpointed gradients are the same.
+    layer = fp8.Fp8Linear(16, 4, delayed=delayed, key=getkey())
+    x = jax.random.normal(getkey(), (8, 16))
+    if delayed:  # scales from these very tensors: their largest entries near 448
+        layer = eqx.tree_at(
+            lambda m: (m.x_scale, m.w_scale),
+            layer,
+            (
+                layer.x_scale.update(fp8.amax(x)),
+                layer.w_scale.update(fp8.amax(layer.weight)),
+            ),
+        )
+    # (current scaling: each operand's amax quantizes to 448 anyway)
+    loss = lambda m, x: jnp.sum(jnp.sin(m(x)))
+    saving = jax.checkpoint(loss, policy=jax.checkpoint_policies.everything_saveable)
+    g_plain = jax.grad(loss, (0, 1))(layer, x)
+    g_checkpointed = jax.grad(saving, (0, 1))(layer, x)
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_checkpointed)):
+        assert jnp.isfinite(b).all()
+        np.testing.assert_array_equal(a, b)
+
+
 def test_fp8_policy(getkey):
     policy = lowtrain.get_policy("fp8")
     assert policy.compute_dtype == jnp.bfloat16
