@@ -84,7 +84,10 @@ def main(argv=None) -> None:
         total = sum(totals.values())
         f32 = totals.get("float32", 0)
         half = totals.get("bfloat16", 0) + totals.get("float16", 0)
-        fp8 = sum(v for k, v in totals.items() if k.startswith("float8"))
+        # `lowtrain.fp8` saves its FP8 operands as their bits (uint8).
+        fp8 = sum(
+            v for k, v in totals.items() if k.startswith("float8") or k == "uint8"
+        )
         other = total - f32 - half - fp8
         ratio = "–" if reference is None else f"{total / reference:.3f}"
         cells = [total, f32, half, fp8, other]

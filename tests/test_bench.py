@@ -347,8 +347,10 @@ def test_saved_bytes_counts_the_backward_residuals_by_dtype(monkeypatch, capsys)
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import saved_bytes
 
-    rows = ["fp32", "bf16", "bf16:precision.residuals=half"]
+    rows = ["fp32", "bf16", "bf16:precision.residuals=half", "fp8"]
     got = {row: saved_bytes.saved_bytes("quick", row) for row in rows}
+    # The FP8 operands, saved as their bits: one byte each, in the FP8 column.
+    assert got["fp8"]["uint8"] > 0 and "bfloat16" not in got["fp8"]
     assert set(got["fp32"]) <= {"float32", "int32", "bool"}
     assert got["bf16"]["bfloat16"] > 0
     # residuals=half: float32 values are recomputed, not saved; about 0.4 of fp32.
@@ -358,6 +360,8 @@ def test_saved_bytes_counts_the_backward_residuals_by_dtype(monkeypatch, capsys)
     saved_bytes.main(["--model", "quick", "--rows", *rows])
     table = capsys.readouterr().out
     assert "| fp32 |" in table and "| 1.000 |" in table
+    fp8_row = next(line for line in table.splitlines() if line.startswith("| fp8 |"))
+    assert fp8_row.split("|")[5].strip() == f"{got['fp8']['uint8'] / 2**20:.1f}"
     ratio = total["bf16:precision.residuals=half"] / total["fp32"]
     assert "| bf16:precision.residuals=half |" in table and f"| {ratio:.3f} |" in table
 
