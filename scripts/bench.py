@@ -12,8 +12,9 @@ compiled step is timed:
 - step time: `--steps` (>= 20) steps after warm-up, interleaved in rounds of 5 with
   the same step written by hand with explicit casts (`benchlib.models`: the float32
   loss for fp32, mixed precision placed by hand for bf16/fp16, jmp/mpx style, and
-  for fp8 with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand; no twin
-  for scalify_fp8 and the unit-scaled precisions) in the same process; each round's 5
+  for fp8 with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand;
+  unit_fp32: the unit-scaled model's own float32 loss; no twin for scalify_fp8 and
+  unit_fp8) in the same process; each round's 5
   steps queue one after another as in training (both steps compiled by
   `lowtrain.train.async_filter_jit`, so the host dispatches the next while the
   device runs one) and are timed together: the median over rounds of the time per

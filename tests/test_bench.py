@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TWINS = ("fp32", "bf16", "fp16", "fp8")  # the precisions with a hand-cast twin
+TWINS = ("fp32", "bf16", "fp16", "fp8", "unit_fp32")  # with a hand-cast twin
 
 
 def run_bench(out, *args):
@@ -203,6 +203,33 @@ def test_bench_cases_are_the_recipes_trainers(monkeypatch):
     )
     hlo = cublas + fused.format(i=1, t="f8e5m2") + fused.format(i=2, t="bf16")
     assert throughput.count_fp8_gemms(hlo, lowered) == (1, 1, 6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "unit_fp32"])
+def test_float32_twins_are_the_trainers_loss(monkeypatch, precision):
+    # Without casts, the twin is the loss the recipe's Trainer computes, called
+    # without the Trainer: the same value and gradients (u-μP's unit-scaled
+    # cross-entropy has the true mean's value but not its gradient).
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchlib import throughput
+
+    case = throughput.make_case("quick", precision, 4)
+    batch = throughput.synthetic_data(case)(0)
+    trainer, p = case.trainer, case.trainer.precision
+
+    def trainers(model):
+        out = trainer.loss(p.wrap_model(model), p.inputs(batch), key=jax.random.key(0))
+        return out[0] if isinstance(out, tuple) else out
+
+    twin = lambda model: case.hand_loss(model, batch["x"], batch["y"])
+    ours, theirs = (
+        eqx.filter_value_and_grad(f)(trainer.model) for f in (trainers, twin)
+    )
+    assert ours[0] == theirs[0]
+    assert all(
+        bool(jnp.array_equal(a, b))
+        for a, b in zip(jax.tree.leaves(ours[1]), jax.tree.leaves(theirs[1]))
+    )
 
 
 def _value_grad_and_fp8_casts(loss, model, x, y):

@@ -133,7 +133,7 @@ class Target:
     value: Callable[[dict], float | tuple | None]
     limit: float
     at_most: bool  # met when the value is <= limit (else >=)
-    fmt: str  # of the value and the limit
+    fmt: str  # of the value
     gpu_only: bool  # low precision is emulated on a CPU: no verdict there
 
 
@@ -141,43 +141,50 @@ TARGETS = (
     Target(
         "bf16 step >= 2.0x fp32",
         lambda r: _speedup(r, "fp32", "bf16"),
-        2.0,
-        False,
-        "{:.2f}x",
-        True,
+        limit=2.0,
+        at_most=False,
+        fmt="{:.2f}x",
+        gpu_only=True,
     ),
     Target(
         "fp8 step >= 1.3x bf16",
         lambda r: _speedup(r, "bf16", "fp8"),
-        1.3,
-        False,
-        "{:.2f}x",
-        True,
+        limit=1.3,
+        at_most=False,
+        fmt="{:.2f}x",
+        gpu_only=True,
     ),
     Target(
         "bf16 MFU >= 40%",
         lambda r: r.get("bf16", {}).get("mfu"),
-        0.40,
-        False,
-        "{:.1%}",
-        True,
+        limit=0.40,
+        at_most=False,
+        fmt="{:.1%}",
+        gpu_only=True,
     ),
-    Target("peak memory of bf16 <= 0.6x fp32", _memory, 0.6, True, "{:.2f}x", True),
+    Target(
+        "peak memory of bf16 <= 0.6x fp32",
+        _memory,
+        limit=0.6,
+        at_most=True,
+        fmt="{:.2f}x",
+        gpu_only=True,
+    ),
     Target(
         "lowtrain within 1.03x of its hand-cast twin",
         lambda r: _worst(r, lambda row: row["vs_hand"]),
-        1.03,
-        True,
-        "{:.3f}",
-        False,
+        limit=1.03,
+        at_most=True,
+        fmt="{:.3f}",
+        gpu_only=False,
     ),
     Target(
         "`Trainer.fit` <= 1.05x a plain loop",
         lambda r: _worst(r, lambda row: row.get("overhead", {}).get("ratio")),
-        1.05,
-        True,
-        "{:.3f}",
-        False,
+        limit=1.05,
+        at_most=True,
+        fmt="{:.3f}",
+        gpu_only=False,
     ),
 )
 

@@ -30,6 +30,7 @@ from jax import lax
 
 import lowtrain
 import lowtrain.fp8 as fp8
+import lowtrain.unit_scaling.functional as U
 from lowtrain.recipes._config import GPTConfig
 from lowtrain.recipes._layers import Linear
 from lowtrain.recipes.gpt import GPT, Block
@@ -53,6 +54,12 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def loss(model: Callable, x: jax.Array, y: jax.Array) -> jax.Array:
     """The float32 loss of both models: cross-entropy of `model(x)` against `y`."""
     return cross_entropy(model(x), y)
+
+
+def unit_loss(model: Callable, x: jax.Array, y: jax.Array) -> jax.Array:
+    """The unit-scaled GPT's (`model=gpt_unit`) float32 loss, as
+    `recipes.gpt.UnitGptTrainer` computes it: `U.cross_entropy`."""
+    return U.cross_entropy(model(x), y)
 
 
 def cast_floats(tree: Any, dtype) -> Any:

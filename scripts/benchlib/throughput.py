@@ -7,7 +7,8 @@ by the recipe's own code (`recipes.gpt.build_model`, `recipes._common.optimizer`
 `trainer_options`, so the `precision` configs' factories in `recipes/precisions.py`),
 and its hand-cast twin where `benchlib.models` has one (fp32: the plain float32 loss;
 bf16, fp16: `hand_gpt_loss`, mixed precision placed by hand, jmp/mpx style; fp8: the
-same with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand).
+same with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand; unit_fp32: the
+unit-scaled model's own float32 loss).
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ def make_case(
     hand = None
     if precision == "fp32":
         hand = models.loss
+    elif precision == "unit_fp32":  # no casts: the plain step of the unit model
+        hand = models.unit_loss
     elif precision in ("bf16", "fp16", "fp8"):
         hand = models.twin(models.hand_gpt_loss, precision)
     return Case(
