@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import lowtrain
-import lowtrain.fp8 as fp8
 import lowtrain.unit_scaling.functional as U
+from lowtrain.fp8 import fp8_dot_general
 from lowtrain.recipes._config import GPTConfig
 from lowtrain.recipes._layers import Linear
 from lowtrain.recipes.gpt import GPT, Block
@@ -133,7 +133,7 @@ class Matmuls:
 
     def _fp8_dot_general(self, lhs, rhs, dimension_numbers, precision=None, **_):
         # `jnp.einsum`'s `_dot_general` hook; the FP8 op returns `half`.
-        return fp8.fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=self.half)
+        return fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=self.half)
 
     def linear(self, layer: Linear, x: jax.Array) -> jax.Array:
         """The recipe's `Linear` on `x` (the `Linear.__call__` einsum)."""
