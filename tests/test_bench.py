@@ -393,6 +393,19 @@ def test_saved_bytes_counts_the_backward_residuals_by_dtype(monkeypatch, capsys)
     assert "| bf16:precision.residuals=half |" in table and f"| {ratio:.3f} |" in table
 
 
+def test_fp8_scan_stack_compares_the_same_values(monkeypatch, capsys):
+    # scripts/fp8_scan_stack.py: stacking E4M3 arrays in a scan against their bits.
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import fp8_scan_stack
+
+    x = jax.random.normal(jax.random.key(0), (2, 4, 8))
+    f8, bits = (fp8_scan_stack.stacking(b) for b in (False, True))
+    assert float(f8(x)) == float(bits(x)) != 0
+    fp8_scan_stack.main(["--rounds", "1", "--calls", "1"])
+    table = capsys.readouterr().out
+    assert "| float8_e4m3fn |" in table and "| uint8 bits |" in table
+
+
 def test_waiting_steps_compile_the_trainers_step_as_before(monkeypatch):
     # scripts/fit_overhead.py and scripts/dispatch_check.py compare the Trainer's
     # step compiled by `async_filter_jit` with the `eqx.filter_jit` it replaced.
