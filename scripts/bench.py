@@ -5,7 +5,8 @@ For each model (`gpt`: the recipes' char-GPT, 4 layers, width 128, context 64, b
 32; `gpt_small`: `model=gpt_small`, GPT-2 small's shape, context 1024, vocabulary
 50304, batch 16 (32 does not fit an 80 GB GPU in fp32), on synthetic tokens) and
 precision (fp32, bf16, fp16, fp8, scalify_fp8 from `recipe=gpt_<precision>`;
-unit_fp32, unit_fp8: `model=gpt_unit` from `recipe=gpt_unit_fp32|fp8`), the Trainer
+unit_fp32, unit_bf16, unit_fp16, unit_fp8: `model=gpt_unit` from
+`recipe=gpt_unit_<precision>`), the Trainer
 is built as `python -m lowtrain` builds it (`scripts/benchlib/throughput.py`) and its
 compiled step is timed:
 
@@ -13,8 +14,9 @@ compiled step is timed:
   the same step written by hand with explicit casts (`benchlib.models`: the float32
   loss for fp32, mixed precision placed by hand for bf16/fp16, jmp/mpx style, and
   for fp8 with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand;
-  unit_fp32: the unit-scaled model's own float32 loss; no twin for scalify_fp8 and
-  unit_fp8) in the same process; each round's 5
+  unit_fp32: the unit-scaled model's own float32 loss; unit_bf16/fp16/fp8: the
+  unit-scaled model with its casts and FP8 casts written by hand,
+  `benchlib.unit_twin`; no twin for scalify_fp8) in the same process; each round's 5
   steps queue one after another as in training (both steps compiled by
   `lowtrain.train.async_filter_jit`, so the host dispatches the next while the
   device runs one) and are timed together: the median over rounds of the time per

@@ -13,7 +13,17 @@ import jax.numpy as jnp
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-TWINS = ("fp32", "bf16", "fp16", "fp8", "unit_fp32")  # with a hand-cast twin
+# The precisions with a hand-cast twin: all but scalify_fp8.
+TWINS = (
+    "fp32",
+    "bf16",
+    "fp16",
+    "fp8",
+    "unit_fp32",
+    "unit_bf16",
+    "unit_fp16",
+    "unit_fp8",
+)
 
 
 def run_bench(out, *args):
@@ -74,12 +84,14 @@ def test_bench_quick_every_precision(tmp_path):
         "fp8",
         "scalify_fp8",
         "unit_fp32",
+        "unit_bf16",
+        "unit_fp16",
         "unit_fp8",
     ]
     for precision, row in rows.items():
         if not precision.startswith("unit"):  # unit: another model, other params
             check_row(row, precision)
-        # Hand-cast twins exist for fp32, bf16, fp16 and fp8.
+        # Hand-cast twins exist for all but scalify_fp8.
         assert (row["vs_hand"] is None) == (precision not in TWINS)
 
 
@@ -292,6 +304,63 @@ def test_hand_cast_twins_compute_the_trainers_loss(monkeypatch, precision, atten
     assert sorted(amp_casts) == sorted(hand_casts) == (expected * (precision == "fp8"))
     gap = jnp.linalg.norm(amp_grads - hand_grads) / jnp.linalg.norm(amp_grads)
     assert float(gap) < 0.02
+
+
+@pytest.mark.parametrize("precision", ["unit_bf16", "unit_fp16", "unit_fp8"])
+def test_unit_twins_compute_the_trainers_loss(monkeypatch, precision):
+    # The unit-scaled GPT placed by hand (scripts/benchlib/unit_twin.py) computes
+    # the loss of the recipe's Trainer (amp; for unit_fp8 the fp8_naive rewrite,
+    # then amp) to the last bit, with the same FP8 casts. The gradients differ by
+    # rounding only: amp multiplies the half cotangents by unit scaling's backward
+    # scales in float32, the library's `U.scale_bwd` on half arrays in half.
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchlib import throughput, unit_twin
+
+    case = throughput.make_case("quick", precision, 4)
+    trainer, p = case.trainer, case.trainer.precision
+    batch = throughput.synthetic_data(case)(0)
+    args = (trainer.model, batch["x"], batch["y"])
+
+    def trainers(model, x, y):
+        return trainer.loss(p.wrap_model(model), {"x": x, "y": y}, key=None)
+
+    with jax.numpy_dtype_promotion("standard"):
+        ours, our_grads, our_casts = _value_grad_and_fp8_casts(trainers, *args)
+        theirs, their_grads, their_casts = _value_grad_and_fp8_casts(
+            case.hand_loss, *args
+        )
+        # Casting the readout too (not in `precision.keep`) is another loss.
+        other = unit_twin.hand_unit_loss(jnp.bfloat16, fp8=True, keep=())
+        other_loss = _value_grad_and_fp8_casts(other, *args)[0]
+    assert ours == theirs and other_loss != ours
+    # 1 layer: qkv, the two attention products, o, and the MLP's three (the readout
+    # kept): two E4M3 operands forward, one E5M2 cotangent backward, each.
+    expected = (["float8_e4m3fn"] * 14 + ["float8_e5m2"] * 7) * (
+        precision == "unit_fp8"
+    )
+    assert sorted(our_casts) == sorted(their_casts) == sorted(expected)
+    gap = jnp.linalg.norm(our_grads - their_grads) / jnp.linalg.norm(our_grads)
+    assert float(gap) < 0.03
+    # float16's MLP runs op by op (`fold_mlp_scales: false`), the others folded.
+    assert trainer.model.layers.layers[0].mlp.fold_scales == (precision != "unit_fp16")
+
+
+def test_unit_twin_follows_the_precision_config(monkeypatch):
+    # `bench.py --set` overrides reach the twin: `precision.keep` (here nothing
+    # kept: the readout in FP8 too, one more cast matmul); `weights_only=true`, a
+    # placement the twin does not write, leaves the row without one ("–").
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchlib import throughput
+
+    def casts(extra):
+        case = throughput.make_case("quick", "unit_fp8", 4, extra)
+        batch = throughput.synthetic_data(case)(0)
+        args = (case.trainer.model, batch["x"], batch["y"])
+        return _value_grad_and_fp8_casts(case.hand_loss, *args)[2]
+
+    assert len(casts([])) == 21 and len(casts(["precision.keep=[]"])) == 24
+    some = throughput.make_case("quick", "unit_fp8", 4, ["precision.weights_only=true"])
+    assert some.hand_loss is None
 
 
 def test_fp8_gemm_patterns_compute_the_same_products(monkeypatch):

@@ -8,7 +8,8 @@ by the recipe's own code (`recipes.gpt.build_model`, `recipes._common.optimizer`
 and its hand-cast twin where `benchlib.models` has one (fp32: the plain float32 loss;
 bf16, fp16: `hand_gpt_loss`, mixed precision placed by hand, jmp/mpx style; fp8: the
 same with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand; unit_fp32: the
-unit-scaled model's own float32 loss).
+unit-scaled model's own float32 loss; unit_bf16, unit_fp16, unit_fp8: the unit-scaled
+model with its casts written by hand, `benchlib.unit_twin`). scalify_fp8 has none.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from lowtrain.recipes import _common, _config, _run, gpt
 from lowtrain.recipes._layers import decay_mask
 from lowtrain.train import async_filter_jit
 
-from . import models, timing
+from . import models, timing, unit_twin
 
 # Precision name -> the recipe that trains the char-GPT in it.
 RECIPES = {
@@ -37,6 +38,8 @@ RECIPES = {
     "fp8": "gpt_fp8",
     "scalify_fp8": "gpt_scalify_fp8",
     "unit_fp32": "gpt_unit_fp32",
+    "unit_bf16": "gpt_unit_bf16",
+    "unit_fp16": "gpt_unit_fp16",
     "unit_fp8": "gpt_unit_fp8",
 }
 # The dtype whose peak bounds each precision's matmuls. fp32 runs at JAX's default
@@ -48,6 +51,8 @@ PEAK_DTYPE = {
     "fp8": "fp8",
     "scalify_fp8": "fp8",
     "unit_fp32": "tf32",
+    "unit_bf16": "bf16",
+    "unit_fp16": "fp16",
     "unit_fp8": "fp8",
 }
 # Dense tensor-core peaks in TFLOP/s (no sparsity), from NVIDIA's data sheets.
@@ -179,6 +184,8 @@ def make_case(
         hand = models.unit_loss
     elif precision in ("bf16", "fp16", "fp8"):
         hand = models.twin(models.hand_gpt_loss, precision)
+    elif precision in ("unit_bf16", "unit_fp16", "unit_fp8"):
+        hand = unit_twin.twin(config)
     return Case(
         model_name,
         precision,

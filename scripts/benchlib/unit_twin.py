@@ -1,0 +1,210 @@
+"""The unit-scaled GPT with its mixed precision placed by hand: the hand-cast twin of
+the bench's unit_bf16, unit_fp16 and unit_fp8 rows.
+
+`recipe=gpt_unit_bf16|fp16` run `model=gpt_unit` (`lowtrain.unit_scaling.
+TransformerDecoder`) under `lowtrain.amp`'s "bf16" / "fp16" policy; `gpt_unit_fp8`
+first rewrites every matmul but the readout's into `uu.fp8_cast_op` (E4M3 operands,
+E5M2 cotangent, scale 1: `precision=fp8_naive`, `keep: [projection]`), then runs the
+"bf16" policy. `hand_unit_loss` writes the same model with the casts in the code, as
+one writes a unit-scaled model in half precision without lowtrain's transforms:
+parameters cast to the half dtype; every matmul on half operands, returning half
+(for unit_fp8 wrapped in `uu.fp8_cast_op` by hand, on the operands as they come);
+the ops `amp`'s policy runs in float32 upcast by hand (the RMS norms' mean and
+rsqrt, the attention softmax, SiLU's sigmoid and the products after it). The
+unit-scaling ops that decide no precision (`U.scale_fwd`, `U.scale_bwd`,
+`U.residual_apply`, `U.embedding`, `U.cross_entropy`) are the library's own, called
+on the half-precision arrays.
+
+The result is the Trainer's loss to the last bit (`tests/test_bench.py`), so the
+bench's lowtrain / hand ratio measures what the transforms cost, not a different
+placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import lowtrain
+import lowtrain.unit_scaling as uu
+import lowtrain.unit_scaling.functional as U
+from lowtrain.recipes._config import NaiveFp8PrecisionConfig
+from lowtrain.unit_scaling._activations import glu_scale
+from lowtrain.unit_scaling._attention import _attention_scale
+from lowtrain.unit_scaling._core import leading_size
+from lowtrain.unit_scaling._residual import next_stream_scale
+from lowtrain.unit_scaling._swiglu import folds
+
+from .models import cast_floats
+
+F32 = jnp.float32
+
+
+@dataclass(frozen=True)
+class UnitMatmuls:
+    """How the hand-placed unit GPT runs its matmuls: on `half` operands, returning
+    `half`; with `fp8`, each through `uu.fp8_cast_op` (the operands rounded to E4M3
+    as they come, the cotangent to E5M2, scale 1) unless its sublayer's name is in
+    `keep`, as `precision=fp8_naive` with `precision.keep` places them."""
+
+    half: Any
+    fp8: bool = False
+    keep: tuple[str, ...] = ()
+
+    def __call__(self, a, b, scope: str, spec: str | None = None):
+        """`a @ b` (or `jnp.einsum(spec, a, b)`) of the sublayer `scope`."""
+        half = self.half
+
+        def op(a, b):
+            a, b = a.astype(half), b.astype(half)
+            return a @ b if spec is None else jnp.einsum(spec, a, b)
+
+        if self.fp8 and scope not in self.keep:
+            return uu.fp8_cast_op(op, a, b)
+        return op(a, b)
+
+
+def _linear(mm: UnitMatmuls, layer, x, scope: str, output_power: float = 0.5):
+    """`U.linear` (`output_power` 1: `U.linear_readout`) of a bias-free `uu.Linear`
+    with its matmul placed by `mm`: the same scales, forward and backward."""
+    if layer.bias is not None:
+        raise ValueError(f"Expected the unit GPT's bias-free linears, got {layer}.")
+    fan_out, fan_in = layer.weight.shape
+    output_scale, grad_input_scale = uu.constraints.apply(
+        layer.constraint, fan_in**-output_power, fan_out**-0.5
+    )
+    x = U.scale_bwd(x, grad_input_scale)
+    weight = U.scale_bwd(layer.weight, leading_size(x, 1) ** -0.5)
+    return U.scale_fwd(mm(x, weight.T, scope), output_scale)
+
+
+def _rms_norm(norm: uu.RMSNorm, x):
+    """`uu.RMSNorm` (no weight) of a half `x`, as `amp` places it: the square in
+    half, its mean and the rsqrt in float32, the product in float32."""
+    if norm.weight is not None:
+        raise ValueError("Expected the unit GPT's weightless RMS norms.")
+    axes = tuple(range(x.ndim - len(norm.shape), x.ndim))
+    ms = jnp.mean((x * x).astype(F32), axis=axes, keepdims=True)
+    return x.astype(F32) * lax.rsqrt(ms + norm.eps)
+
+
+def _attention(mm: UnitMatmuls, q, k, v, mult: float):
+    """`U.scaled_dot_product_attention(q, k, v, is_causal=True, mult=mult)`: the
+    products by `mm`, the softmax in float32 on the masked half scores."""
+    seq, head_dim = q.shape[-2:]
+    scale = _attention_scale(seq, head_dim, True, mult)
+    q, k, v = (U.scale_bwd(t, scale) for t in (q, k, v))
+    logits = mm(q, k, "attention", "...qd,...kd->...qk") * (mult / head_dim)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((seq, seq), bool)), logits.shape)
+    # The library masks with float32's lowest, which is -inf in 16 bits.
+    logits = jnp.where(mask, logits, float(jnp.finfo(F32).min))
+    weights = jax.nn.softmax(logits.astype(F32), axis=-1)
+    return U.scale_fwd(mm(weights, v, "attention", "...qk,...kd->...qd"), scale)
+
+
+def _mhsa(mm: UnitMatmuls, attn: uu.MHSA, x):
+    """`uu.MHSA.__call__` (causal)."""
+    *lead, seq, hidden = x.shape
+    qkv = _linear(mm, attn.linear_qkv, x, "linear_qkv")
+    qkv = qkv.reshape(*lead, seq, 3, attn.heads, -1)
+    q, k, v = jnp.swapaxes(jnp.moveaxis(qkv, -3, 0), -3, -2)
+    out = _attention(mm, q, k, v, attn.mult)
+    out = jnp.swapaxes(out, -3, -2).reshape(*lead, seq, hidden)
+    return _linear(mm, attn.linear_o, out, "linear_o")
+
+
+def _silu_f32(g):
+    """SiLU of a half `g` in float32 (`logistic` is a float32 op of the policy)."""
+    g = g.astype(F32)
+    return g * jax.nn.sigmoid(g)
+
+
+def _mlp(mm: UnitMatmuls, mlp: uu.MLP, x):
+    """`uu.MLP.__call__` (SwiGLU): `U.swiglu_mlp`'s folded scales when `mlp`
+    folds them, else op by op (`U.linear`, `U.silu_glu`, `U.linear`)."""
+    if mlp.linear_gate is None:
+        raise ValueError("Expected the unit GPT's SwiGLU MLPs (activation='silu_glu').")
+    s = glu_scale()
+    if mlp.fold_scales and folds(mlp.linear_1, mlp.linear_gate, mlp.linear_2):
+        inner, hidden = mlp.linear_1.weight.shape
+        in_scale, ct_scale = hidden**-0.5, hidden**-0.5 * s
+        w_scale = leading_size(x, 1) ** -0.5
+        x = U.scale_bwd(x, inner**-0.5 * ct_scale)
+        w1 = U.scale_bwd(mlp.linear_1.weight, w_scale * ct_scale)
+        wg = U.scale_bwd(mlp.linear_gate.weight, w_scale * ct_scale)
+        a = mm(x, w1.T, "linear_1")
+        g = mm(x, wg.T, "linear_gate")
+        h = U.scale_fwd(a.astype(F32) * _silu_f32(g * in_scale), in_scale * s)
+        w2 = U.scale_bwd(mlp.linear_2.weight, w_scale)
+        return U.scale_fwd(mm(h, w2.T, "linear_2"), inner**-0.5)
+    a = _linear(mm, mlp.linear_1, x, "linear_1")
+    g = _linear(mm, mlp.linear_gate, x, "linear_gate")
+    a, g = U.scale_bwd(a, s), U.scale_bwd(g, s)
+    h = U.scale_fwd(a * _silu_f32(g * 1.0), s)  # `U.silu_glu(a, g)`, mult 1
+    return _linear(mm, mlp.linear_2, h, "linear_2")
+
+
+def _layer(mm: UnitMatmuls, layer: uu.TransformerLayer, x):
+    """`uu.TransformerLayer.__call__` (no dropout) on the stream `x`."""
+    if layer.dropout_p != 0 or layer.stream_scale is None:
+        raise ValueError(
+            "Expected the unit GPT's layers: no dropout, a stream scale "
+            f"(`TransformerDecoder`), got dropout {layer.dropout_p} and stream "
+            f"scale {layer.stream_scale}."
+        )
+    c = layer.stream_scale
+    x = U.residual_apply(
+        lambda h: _mhsa(mm, layer.mhsa, _rms_norm(layer.mhsa_norm, h)),
+        x,
+        layer.mhsa_tau,
+        stream_scale=c,
+    )
+    return U.residual_apply(
+        lambda h: _mlp(mm, layer.mlp, _rms_norm(layer.mlp_norm, h)),
+        x,
+        layer.mlp_tau,
+        stream_scale=next_stream_scale(c, layer.mhsa_tau),
+    )
+
+
+def hand_unit_loss(
+    half, fp8: bool = False, keep: Sequence[str] = ("projection",)
+) -> Callable:
+    """The unit-scaled GPT's loss (`U.cross_entropy`, as `UnitGptTrainer` has it)
+    with mixed precision placed by hand: parameters and matmuls in `half`; with
+    `fp8`, every matmul but those of the sublayers in `keep` through
+    `uu.fp8_cast_op` (unit_fp8's placement)."""
+    mm = UnitMatmuls(jnp.dtype(half), fp8=fp8, keep=tuple(keep))
+
+    def hand_loss(model: uu.TransformerDecoder, tokens, targets):
+        # The rows gathered from the float32 table and cast (the values of a lookup
+        # in the cast table), so that the lookup's gradient, a scatter-add, sums
+        # in float32 as under `amp`.
+        x = U.embedding(tokens, model.embedding.weight).astype(mm.half)
+        m = cast_floats(model, mm.half)
+        for layer in m.layers.layers:
+            x = _layer(mm, layer, x)
+        h = _rms_norm(m.final_norm, x)
+        logits = _linear(mm, m.projection, h, "projection", output_power=1.0)
+        return U.cross_entropy(logits.astype(F32), targets)
+
+    return hand_loss
+
+
+def twin(config) -> Callable | None:
+    """The hand-cast twin of a unit-scaled recipe (`config`: its checked
+    `recipes._config.Config`): `hand_unit_loss` in its policy's compute dtype, with
+    the FP8 casts and `keep` of `precision=fp8_naive`; None for
+    `precision.weights_only=true`, a placement it does not write. Like the GPT's
+    twins it saves what autodiff saves, whatever `precision.residuals` says."""
+    p = config.precision
+    fp8 = isinstance(p, NaiveFp8PrecisionConfig)
+    if fp8 and p.weights_only:
+        return None
+    half = lowtrain.get_policy(p.policy).compute_dtype
+    return hand_unit_loss(half, fp8=fp8, keep=tuple(p.keep) if fp8 else ())
