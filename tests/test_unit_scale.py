@@ -150,6 +150,58 @@ def test_simulate_fp8_casts_every_matmul(getkey):
     assert {"float8_e4m3fn", "float8_e5m2"} <= casts
 
 
+def test_fp8_cast_op_saves_its_operands_as_fp8_bytes():
+    # The backward pass keeps the E4M3-rounded operands as their bytes (uint8), not
+    # as copies in the operands' dtype: under amp's bf16 that dtype is the traced
+    # float32, 4 bytes a value. The gradients are those of `op` at the rounded
+    # operands for the E5M2-rounded cotangent, bit for bit, also when
+    # `jax.checkpoint` saves the residuals (values above 240, which its float
+    # rounding of E4M3 would turn into NaN).
+    x = jnp.linspace(-300.0, 300.0, 8 * 16).reshape(8, 16)
+    w = jnp.linspace(-2.0, 2.0, 16 * 4).reshape(16, 4)
+    g = jnp.linspace(-1.0, 1e-5, 8 * 4).reshape(8, 4)
+    e4, e5 = lowtrain.fp8.E4M3, lowtrain.fp8.E5M2
+    rnd = lambda a, d: a.astype(d).astype(jnp.float32)  # noqa: E731 (in range)
+    _, ref_vjp = jax.vjp(jnp.matmul, rnd(x, e4), rnd(w, e4))
+    expected = ref_vjp(rnd(g, e5))
+    cast = lambda x, w: uu.fp8_cast_op(jnp.matmul, x, w)  # noqa: E731
+    for fn in (
+        cast,
+        jax.checkpoint(cast, policy=jax.checkpoint_policies.everything_saveable),
+    ):
+        _, vjp = jax.vjp(fn, x, w)
+        for got, want in zip(vjp(g), expected):
+            np.testing.assert_array_equal(got, want)
+    saved = lowtrain._compat.saved_residual_avals(cast, x, w)
+    assert sorted((str(a.dtype), a.size) for a in saved) == [
+        ("uint8", w.size),
+        ("uint8", x.size),
+    ]
+    # In the unit_fp8 placement (the rewrite, then amp's bf16), every operand of
+    # the model's FP8 matmuls is saved as bytes, none as a float32 copy.
+    gpt = uu.TransformerDecoder(32, 16, layers=1, heads=2, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 12), 0, 16)
+    params, static = eqx.partition(gpt, eqx.is_array)
+    model = lambda p: lowtrain.amp(uu.simulate_fp8(eqx.combine(p, static)), "bf16")  # noqa: E731
+    loss = lambda p: U.cross_entropy(model(p)(tokens)[:, :-1], tokens[:, 1:])  # noqa: E731
+    saved = lowtrain._compat.saved_residual_avals(loss, params)
+    fp8_bytes = sum(a.size for a in saved if a.dtype == jnp.uint8)
+    # 1 layer, 4 x 12 tokens (48 rows) of width 32, 2 heads of 16, MLP width 128,
+    # vocabulary 16: each matmul's two operands, one byte a value.
+    rows, heads = 48 * 32, 4 * 2 * 12
+    operands = {
+        "qkv": rows + 96 * 32,
+        "q @ k.T": 2 * heads * 16,
+        "p @ v": heads * 12 + heads * 16,
+        "out": rows + 32 * 32,
+        "up": rows + 128 * 32,
+        "gate": rows + 128 * 32,
+        "down": 48 * 128 + 32 * 128,
+        "readout": rows + 16 * 32,
+    }
+    assert fp8_bytes == sum(operands.values())
+
+
 def test_simulate_fp8_weights_only_leaves_attention_products():
     # Attention's q @ k.T and p @ v (two activations, rank 3) stay as they are; the
     # matmul with a weight (rank 2) is cast.
@@ -181,7 +233,8 @@ def _fp8_casts(fn, *args):
     return collections.Counter(
         str(e.params["new_dtype"])
         for e in eqns
-        if str(e.params.get("new_dtype")).startswith("float8")
+        if e.primitive.name == "convert_element_type"  # not the residuals' bitcasts
+        and str(e.params["new_dtype"]).startswith("float8")
     )
 
 

@@ -12,7 +12,7 @@ from jaxtyping import Array
 
 from .._scopes import AMP_STOP_SCOPE
 from ._formats import E4M3, E5M2
-from ._quantize import amax, current_scale, dequantize, quantize
+from ._quantize import amax, current_scale, dequantize, from_bits, quantize, to_bits
 
 F32 = jnp.float32
 
@@ -79,21 +79,6 @@ def _dot_grad(g: Array, x: Array, y: Array, dn, swap: bool) -> Array:
     return _f8_dot(g, y, dims).transpose(tuple(int(a) for a in out_axes))
 
 
-def _bits(q: Array) -> Array:
-    # FP8 residuals are saved as their bits (uint8). `jax.checkpoint` (amp's
-    # `residuals="half"`, or a user's) passes each float residual it saves through
-    # `reduce_precision` with the dtype's exponent and mantissa bits (JAX PR 22244),
-    # which treats E4M3 as an IEEE-style format whose largest value is 240: the
-    # values current scaling puts between 240 and 448 became NaN, and so did every
-    # gradient. Integers get no such pass; the bitcasts cost nothing.
-    return lax.bitcast_convert_type(q, jnp.uint8)
-
-
-def _from_bits(b: Array, dtype) -> Array:
-    """The FP8 array `_bits` saved."""
-    return lax.bitcast_convert_type(b, dtype)
-
-
 def _scaled_out(ql, sl, qr, sr, op, dn, out_dtype):
     """`op(ql * sl, qr * sr)` in `out_dtype`, float32 accumulation."""
     if dn is not None and f8_dot_lowering():
@@ -133,12 +118,12 @@ def _fp8_op(op, lhs, rhs, out_dtype, margin, dn=None):
         sr = current_scale(rhs, E4M3, margin=margin)
         ql, qr = quantize(lhs, E4M3, sl), quantize(rhs, E4M3, sr)
         out = _scaled_out(ql, sl, qr, sr, op, dn, out_dtype)
-        return out, (_bits(ql), sl, _bits(qr), sr)
+        return out, (to_bits(ql), sl, to_bits(qr), sr)
 
     @_exact
     def bwd(res, g):
         bl, sl, br, sr = res
-        ql, qr = _from_bits(bl, E4M3), _from_bits(br, E4M3)
+        ql, qr = from_bits(bl, E4M3), from_bits(br, E4M3)
         sg = current_scale(g, E5M2, margin=margin)
         dl, dr = _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype)
         return dl.astype(lhs.dtype), dr.astype(rhs.dtype)
@@ -232,12 +217,12 @@ def fp8_dot_general_delayed(lhs, rhs, dimension_numbers, lhs_scale, rhs_scale, g
         ql, qr = quantize(lhs, E4M3, ls.scale), quantize(rhs, E4M3, rs.scale)
         out = _scaled_out(ql, ls.scale, qr, rs.scale, op, dimension_numbers, out_dtype)
         new_ls, new_rs = ls.update(amax(lhs)), rs.update(amax(rhs))
-        return out, (_bits(ql), _bits(qr), ls.scale, rs.scale, new_ls, new_rs, gs)
+        return out, (to_bits(ql), to_bits(qr), ls.scale, rs.scale, new_ls, new_rs, gs)
 
     @_exact
     def bwd(res, g):
         bl, br, sl, sr, new_ls, new_rs, gs = res
-        ql, qr = _from_bits(bl, E4M3), _from_bits(br, E4M3)
+        ql, qr = from_bits(bl, E4M3), from_bits(br, E4M3)
         dl, dr = _scaled_grads(
             g, gs.scale, ql, sl, qr, sr, op, dimension_numbers, out_dtype
         )

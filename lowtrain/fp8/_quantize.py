@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, ArrayLike, Float
 
 from .._pow2 import pow2_round
@@ -168,3 +169,19 @@ class DelayedScale(eqx.Module):
         )
         new = eqx.tree_at(lambda s: s.amax_history, self, history)
         return eqx.tree_at(lambda s: s.scale, new, scale)
+
+
+def to_bits(q: Array) -> Array:
+    """An FP8 array as its bits (uint8), the form FP8 residuals are saved in.
+
+    `jax.checkpoint` (amp's `residuals="half"`, or a user's) passes each float
+    residual it saves through `reduce_precision` with the dtype's exponent and
+    mantissa bits (JAX PR 22244), which treats E4M3 as an IEEE-style format whose
+    largest value is 240: saved E4M3 values between 240 and 448 became NaN, and so did
+    every gradient. Integers get no such pass; the bitcasts cost nothing."""
+    return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def from_bits(b: Array, dtype) -> Array:
+    """The FP8 array of `dtype` whose bits `to_bits` gave."""
+    return lax.bitcast_convert_type(b, dtype)

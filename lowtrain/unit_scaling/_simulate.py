@@ -9,6 +9,7 @@ from jaxtyping import Array
 
 from .._rewrite import rewrite
 from ..fp8 import E4M3, E5M2, dequantize, quantize
+from ..fp8._quantize import from_bits, to_bits
 
 MATMULS = ("dot_general", "conv_general_dilated")
 
@@ -28,6 +29,7 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     E4M3-rounded operands. Backward: the output cotangent is rounded to E5M2 and both
     gradients come from it and the E4M3 operands, as in `lowtrain.fp8`'s scaled path.
     The rounding is `lowtrain.fp8.quantize` (saturating, round to nearest even).
+    The backward pass keeps the rounded operands as their FP8 bytes (`uint8`).
     Around it, `op` runs in whatever precision the caller's policy gives it: under
     the "bf16" policy that is a bfloat16 matmul of FP8 values (exact: bfloat16 holds
     every E4M3 and E5M2 value), accumulated in float32. A model whose tensors are
@@ -47,12 +49,19 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     def run(lhs, rhs):
         return op(_fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3))
 
-    def fwd(lhs, rhs):
-        ql, qr = _fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3)
-        return op(ql, qr), (ql, qr)
+    def fwd(a, b):
+        ql, qr = quantize(a, E4M3, 1.0), quantize(b, E4M3, 1.0)
+        out = op(dequantize(ql, 1.0, a.dtype), dequantize(qr, 1.0, b.dtype))
+        # The rounded operands are saved as their FP8 bits: one byte a value, not a
+        # copy in the operands' dtype (float32 in a program `amp` runs in bf16).
+        return out, (to_bits(ql), to_bits(qr))
 
     def bwd(res, g):
-        _, vjp = jax.vjp(op, *res)
+        ql, qr = (
+            dequantize(from_bits(b, E4M3), 1.0, x.dtype)
+            for b, x in zip(res, (lhs, rhs))
+        )
+        _, vjp = jax.vjp(op, ql, qr)
         return vjp(_fp8_round(g, E5M2))
 
     run.defvjp(fwd, bwd)
