@@ -493,3 +493,25 @@ def test_waiting_steps_compile_the_trainers_step_as_before(monkeypatch):
         assert isinstance(inside.compiled_step, waiting)
     assert isinstance(inside.compiled_step, waiting)  # built once
     assert isinstance(Mse(make_model(), SGD(0.1)).compiled_step, _AsyncJit)
+
+
+def test_twin_hlo_finds_what_the_compiled_steps_do_differently(monkeypatch, capsys):
+    # scripts/twin_hlo.py: fp32's twin is the Trainer's own loss, so the two compiled
+    # steps are the same; unit_fp8's lowtrain step multiplies the residual branches'
+    # cotangents by their backward scales in float32 (amp's placement of a float32
+    # scale residual): more activation-size fusions in the one layer
+    # (docs/performance.md).
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import twin_hlo
+
+    same = twin_hlo.compare("quick", "fp32")
+    assert same["lowtrain"]["fusions"] == same["hand"]["fusions"]
+    assert same["lowtrain"]["bytes"] == same["hand"]["bytes"] > 0
+    unit = twin_hlo.compare("quick", "unit_fp8")
+    # XLA:CPU of JAX 0.10 leaves 4 of them unfused, 0.11's 3.
+    assert unit["more_in_lowtrain"]["bf16[32,16,32]"] >= 3
+    with pytest.raises(ValueError, match="scalify_fp8 has none"):
+        twin_hlo.compare("quick", "scalify_fp8")
+    twin_hlo.main(["--model", "quick", "--precisions", "fp32"])
+    n = sum(same["hand"]["fusions"].values())
+    assert f"| fp32 | {n} / {n} | 1.000 | – | – |" in capsys.readouterr().out
