@@ -364,6 +364,22 @@ def test_unit_twin_follows_the_precision_config(monkeypatch):
     assert some.hand_loss is None
 
 
+def test_unit_twin_says_which_model_it_writes(monkeypatch):
+    # A unit GPT the twin does not write (here a GELU MLP) is refused, not placed
+    # some other way.
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from benchlib import unit_twin
+
+    import lowtrain.unit_scaling as uu
+
+    gpt = uu.TransformerDecoder(32, 16, layers=1, heads=2, key=jax.random.key(0))
+    gelu = uu.MLP(32, activation="gelu", key=jax.random.key(1))
+    gpt = eqx.tree_at(lambda m: m.layers.layers[0].mlp, gpt, gelu)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(ValueError, match="SwiGLU MLPs, got activation='gelu'"):
+        unit_twin.hand_unit_loss(jnp.bfloat16)(gpt, tokens, tokens)
+
+
 def test_fp8_gemm_patterns_compute_the_same_products(monkeypatch):
     # scripts/fp8_gemm_patterns.py compares ways of writing one FP8 matmul: each must
     # be the bf16 product up to FP8 rounding, at each of its shapes (scaled down).

@@ -69,11 +69,19 @@ class UnitMatmuls:
         return op(a, b)
 
 
+def _not_the_unit_gpt(expected: str, got: str) -> ValueError:
+    return ValueError(
+        f"Expected the unit GPT's {expected}, got {got} instead. This twin writes "
+        "`model=gpt_unit` as `recipes.gpt.build_model` builds it "
+        "(`uu.TransformerDecoder`); another model needs a twin of its own."
+    )
+
+
 def _linear(mm: UnitMatmuls, layer, x, scope: str, output_power: float = 0.5):
     """`U.linear` (`output_power` 1: `U.linear_readout`) of a bias-free `uu.Linear`
     with its matmul placed by `mm`: the same scales, forward and backward."""
     if layer.bias is not None:
-        raise ValueError(f"Expected the unit GPT's bias-free linears, got {layer}.")
+        raise _not_the_unit_gpt("bias-free linears", f"a bias in {layer}")
     fan_out, fan_in = layer.weight.shape
     output_scale, grad_input_scale = uu.constraints.apply(
         layer.constraint, fan_in**-output_power, fan_out**-0.5
@@ -87,7 +95,7 @@ def _rms_norm(norm: uu.RMSNorm, x):
     """`uu.RMSNorm` (no weight) of a half `x`, as `amp` places it: the square in
     half, its mean and the rsqrt in float32, the product in float32."""
     if norm.weight is not None:
-        raise ValueError("Expected the unit GPT's weightless RMS norms.")
+        raise _not_the_unit_gpt("weightless RMS norms", "an RMS norm with a weight")
     axes = tuple(range(x.ndim - len(norm.shape), x.ndim))
     ms = jnp.mean((x * x).astype(F32), axis=axes, keepdims=True)
     return x.astype(F32) * lax.rsqrt(ms + norm.eps)
@@ -128,7 +136,7 @@ def _mlp(mm: UnitMatmuls, mlp: uu.MLP, x):
     """`uu.MLP.__call__` (SwiGLU): `U.swiglu_mlp`'s folded scales when `mlp`
     folds them, else op by op (`U.linear`, `U.silu_glu`, `U.linear`)."""
     if mlp.linear_gate is None:
-        raise ValueError("Expected the unit GPT's SwiGLU MLPs (activation='silu_glu').")
+        raise _not_the_unit_gpt("SwiGLU MLPs", f"activation={mlp.activation!r}")
     s = glu_scale()
     if mlp.fold_scales and folds(mlp.linear_1, mlp.linear_gate, mlp.linear_2):
         inner, hidden = mlp.linear_1.weight.shape
@@ -152,10 +160,9 @@ def _mlp(mm: UnitMatmuls, mlp: uu.MLP, x):
 def _layer(mm: UnitMatmuls, layer: uu.TransformerLayer, x):
     """`uu.TransformerLayer.__call__` (no dropout) on the stream `x`."""
     if layer.dropout_p != 0 or layer.stream_scale is None:
-        raise ValueError(
-            "Expected the unit GPT's layers: no dropout, a stream scale "
-            f"(`TransformerDecoder`), got dropout {layer.dropout_p} and stream "
-            f"scale {layer.stream_scale}."
+        raise _not_the_unit_gpt(
+            "layers without dropout and with a stream scale",
+            f"dropout {layer.dropout_p}, stream scale {layer.stream_scale}",
         )
     c = layer.stream_scale
     x = U.residual_apply(
