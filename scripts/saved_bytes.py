@@ -47,15 +47,13 @@ def saved_bytes(model_name: str, row: str, common: tuple = ()) -> dict[str, int]
     precision, _, overrides = row.partition(":")
     extra = [*common, *(o for o in overrides.split(",") if o)]
     case = throughput.make_case(model_name, precision, None, extra)
-    trainer, p = case.trainer, case.trainer.precision
-    params, static = eqx.partition(trainer.model, eqx.is_array)
+    params, static = eqx.partition(case.trainer.model, eqx.is_array)
     params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     batch = throughput.synthetic_data(case)(0)
 
     def loss(params):
-        model = p.wrap_model(eqx.combine(params, static))
-        out = trainer.loss(model, p.inputs(batch), key=jax.random.key(0))
-        return out[0] if isinstance(out, tuple) else out
+        model = eqx.combine(params, static)
+        return case.trainer_loss(model, batch["x"], batch["y"], jax.random.key(0))
 
     totals: dict[str, int] = collections.defaultdict(int)
     for aval in _compat.saved_residual_avals(loss, params):

@@ -31,19 +31,13 @@ def compiled_pair(model_name: str, precision: str, extra=()) -> dict:
     case = throughput.make_case(model_name, precision, None, list(extra))
     if case.hand_loss is None:
         raise ValueError(
-            f"Expected a precision with a hand-cast twin, got {precision!r} "
-            "(scalify_fp8 has none)."
+            f"Expected a precision with a hand-cast twin, got {precision!r}, "
+            "which has none (scalify_fp8): leave it out of `--precisions`."
         )
-    trainer, p = case.trainer, case.trainer.precision
     batch = throughput.synthetic_data(case)(0)
-
-    def trainers(model, x, y):
-        out = trainer.loss(p.wrap_model(model), {"x": x, "y": y}, key=None)
-        return out[0] if isinstance(out, tuple) else out
-
-    args = (trainer.model, batch["x"], batch["y"])
+    args = (case.trainer.model, batch["x"], batch["y"])
     out = {}
-    for name, loss in (("lowtrain", trainers), ("hand", case.hand_loss)):
+    for name, loss in (("lowtrain", case.trainer_loss), ("hand", case.hand_loss)):
         grad = eqx.filter_value_and_grad(loss)
         step = jax.jit(lambda m, x, y, grad=grad: grad(m, x, y))
         out[name] = step.lower(*args).compile()

@@ -123,6 +123,15 @@ class Case:
         """Tokens per step."""
         return self.batch_size * self.block_size
 
+    def trainer_loss(self, model, x, y, key=None):
+        """The loss the Trainer differentiates, called without the Trainer: its
+        `loss` of the precision's `wrap_model(model)` on the precision's `inputs`
+        of the batch `{"x": x, "y": y}` (the value, without any aux)."""
+        p = self.trainer.precision
+        batch = p.inputs({"x": x, "y": y})
+        out = self.trainer.loss(p.wrap_model(model), batch, key=key)
+        return out[0] if isinstance(out, tuple) else out
+
     def parameters(self) -> int:
         """Parameters in matmuls: all but the position embedding (a lookup)."""
         params = eqx.filter(self.trainer.model, eqx.is_inexact_array)
