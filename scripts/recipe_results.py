@@ -4,6 +4,8 @@
     python scripts/recipe_results.py --task gpt      # one task
     python scripts/recipe_results.py --table-only    # re-read the summaries in --out
     python scripts/recipe_results.py --unit          # issue 10's unit-scaling lines
+    python scripts/recipe_results.py --task gpt_gpu --precision fp32 \\
+        --precision bf16 --precision fp8             # a GPU: issue 13's lines
 
 Each run is `python -m lowtrain <overrides> hydra.run.dir=<out>/<task>_<precision>`,
 one after the other (they share the CPU otherwise); its log is `<out>/<name>.log`.
@@ -19,6 +21,7 @@ import subprocess
 import sys
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8_naive", "scalify_fp8")
+GPU_PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # the recipe=gpt_gpu_* family
 # (task, precision) -> the overrides that select the run
 RUNS = {
     (task, p): (
@@ -29,6 +32,10 @@ RUNS = {
     for task in ("mnist", "gpt")
     for p in PRECISIONS
 }
+# Issue 13: the char-GPT at nanoGPT's shakespeare-char GPU size (`recipe=gpt_gpu_*`,
+# 5000 steps of batch 64 x 256): for a GPU, its val loss reported (no fp32 target:
+# nanoGPT's 1.47 is on a fifth of this corpus), the others held to GPT_GAP.
+RUNS.update({("gpt_gpu", p): [f"recipe=gpt_gpu_{p}"] for p in GPU_PRECISIONS})
 # The largest distance to fp32 each precision may have (None: reported only).
 MNIST_GAP = {"bf16": 0.3, "fp16": 0.3, "fp8": 0.3, "scalify_fp8": 0.3}  # points
 GPT_GAP = {
@@ -82,6 +89,8 @@ def _cell(task, precision, summary, base) -> tuple[str, str, str]:
     else:
         value = summary["final"]["val_loss"]
         shown = f"{value:.4f}"
+        if base is None and task == "gpt_gpu":
+            return shown, "", "reported"
         if base is None:
             return shown, "", "fp32 <= 1.90: " + ("met" if value <= 1.90 else "MISSED")
         gap = value - base["final"]["val_loss"]
@@ -171,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--task",
-        choices=("mnist", "gpt", "gpt_unit", "mnist_unit"),
+        choices=("mnist", "gpt", "gpt_gpu", "gpt_unit", "mnist_unit"),
         action="append",
         help="run only these (the last two with --unit)",
     )
@@ -202,7 +211,8 @@ def main() -> None:
     if not args.table_only:
         for task in tasks:
             for precision in args.precision or PRECISIONS:
-                run(task, precision, args.out)
+                if (task, precision) in RUNS:  # gpt_gpu: GPU_PRECISIONS only
+                    run(task, precision, args.out)
     print(table(args.out, tasks))
 
 

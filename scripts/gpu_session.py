@@ -1,0 +1,352 @@
+"""Issue 13's GPU measurements as one prepared call of the `device` tool, within a
+deadline: the stages in the order that answers the most per minute of device time,
+each bounded by the time left, each stage's result written as soon as it ends.
+
+Here, once (downloads the wheels the GPU machine lacks, copies the char data):
+
+    python scripts/gpu_session.py --prepare
+
+It prints the `run` call to make. There (the `device` tool's `run`, carrying `.whl`
+and `.gpu_cache`, with a `timeout_s` a little above the deadline):
+
+    python3 scripts/gpu_session.py --out "$OUT" --deadline 540
+    python3 scripts/gpu_session.py --out "$OUT" --deadline 200 --stages gpt,small_rest
+
+A stage starts only if the time left is at least its `min_s`, and is killed at the
+deadline (the bench writes each row as it is measured, so a stage cut short keeps its
+finished rows). What comes back under `--out`: `summary.md` (each stage's exit
+status, time and table: bench.md, the pytest summary, the recipe's final losses),
+`session.log` (everything printed) and `gpu_session.tar.gz` (each stage's files:
+bench.json, bench.png, logs). The last line names the stages not run, to pass as
+`--stages` to the next call. Stages (`--list` prints them with their estimates):
+
+- `env`: the GPU, the driver, JAX and the libraries' versions;
+- `gpu_tests`: `pytest -m gpu` (FP8 GEMMs on Hopper forward and backward, cuDNN
+  attention under amp, the bench's fp8 row all FP8 GEMMs);
+- `small_core`: `bench.py --models gpt_small --precisions fp32,bf16,fp8`: the bf16 2x,
+  fp8 1.3x, MFU and lowtrain / hand targets;
+- `small_half`: bf16 with `precision.residuals=half`: the memory target;
+- `gpt`: the char-GPT in every precision: lowtrain / hand and `Trainer.fit` / plain;
+- `small_rest`: gpt_small in fp16, scalify_fp8 and the unit-scaled precisions;
+- `twin_hlo`: what the GPU's XLA makes of each step against its hand-cast twin;
+- `recipes`: `recipe=gpt_gpu_{fp32,bf16,fp8}` to the end, for docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+WHEELS = ROOT / ".whl"  # hydra-core, omegaconf, antlr4: not on the GPU machine
+CACHE = ROOT / ".gpu_cache"  # LOWTRAIN_CACHE there: the char data (no network)
+# Pure-Python wheels, the versions the dev environment runs; antlr4's 4.9.3 (the one
+# omegaconf 2.3 takes) is a source distribution only, so it is built into a wheel.
+DOWNLOADED = ["hydra-core==1.3.8", "omegaconf==2.3.1"]
+BUILT = ["antlr4-python3-runtime==4.9.3"]
+RESERVE_S = 15  # left at the deadline for the summary and the archive
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    argv: tuple[str, ...]  # run in the repository root; {work} is the stage's folder
+    min_s: int  # not started with less time left than this
+    estimate_s: int  # from the 2026-11-25 H100 run's compile and step times
+    what: str
+
+
+def _bench(*args: str) -> tuple[str, ...]:
+    return ("python3", "scripts/bench.py", "--steps", "20", "--out", "{work}", *args)
+
+
+SMALL = ("--models", "gpt_small", "--precisions")
+STAGES = [
+    Stage(
+        "env",
+        ("python3", "scripts/gpu_session.py", "--env"),
+        5,
+        15,
+        "the GPU, the driver, JAX and the libraries",
+    ),
+    Stage(
+        "gpu_tests",
+        ("python3", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"),
+        90,
+        150,
+        "pytest -m gpu",
+    ),
+    Stage("small_core", _bench(*SMALL, "fp32,bf16,fp8"), 120, 330, "gpt_small speed"),
+    Stage(
+        "small_half",
+        _bench(*SMALL, "bf16", "--set", "precision.residuals=half"),
+        60,
+        70,
+        "gpt_small bf16 memory",
+    ),
+    Stage(
+        "gpt",
+        _bench("--models", "gpt", "--overhead-rounds", "2"),
+        60,
+        330,
+        "the char-GPT: lowtrain / hand, fit / plain",
+    ),
+    Stage(
+        "small_rest",
+        _bench(*SMALL, "fp16,scalify_fp8,unit_fp32,unit_bf16,unit_fp8"),
+        90,
+        500,
+        "gpt_small: the other precisions",
+    ),
+    Stage(
+        "twin_hlo",
+        (
+            *("python3", "scripts/twin_hlo.py", "--model", "gpt_small"),
+            *("--precisions", "bf16,fp8,unit_bf16,unit_fp8"),
+        ),
+        90,
+        300,
+        "compiled lowtrain step against its twin",
+    ),
+    Stage(
+        "recipes",
+        (
+            *("python3", "scripts/recipe_results.py", "--task", "gpt_gpu"),
+            *("--precision", "fp32", "--precision", "bf16", "--precision", "fp8"),
+            *("--out", "{work}"),
+        ),
+        120,
+        600,
+        "recipe=gpt_gpu_{fp32,bf16,fp8} for docs/results.md",
+    ),
+]
+BY_NAME = {stage.name: stage for stage in STAGES}
+
+
+def prepare() -> None:
+    """Here: the wheels into `.whl`, the char data into `.gpu_cache`, both ignored by
+    git; then print the `run` call."""
+    py = sys.executable
+    WHEELS.mkdir(exist_ok=True)
+    pip = [py, "-m", "pip", "-q"]
+    subprocess.run(
+        [
+            *(*pip, "download", "--no-deps", "--only-binary=:all:"),
+            *("--python-version", "3.12", "--implementation", "cp"),
+            *("--platform", "manylinux2014_x86_64", "-d", str(WHEELS), *DOWNLOADED),
+        ],
+        check=True,
+    )
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(WHEELS), *BUILT], check=True)
+    sys.path.insert(0, str(ROOT))
+    from lowtrain.recipes._text_data import shakespeare  # fetched once, then cached
+
+    CACHE.mkdir(exist_ok=True)
+    (CACHE / "shakespeare.txt").write_text(shakespeare(), encoding="utf-8")
+    exclude = ROOT / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    known = exclude.read_text().splitlines() if exclude.is_file() else []
+    with exclude.open("a") as f:
+        for line in ("/.whl/", "/.gpu_cache/"):
+            if line not in known:
+                f.write(line + "\n")
+    print(
+        "Prepared .whl and .gpu_cache. The device call:\n"
+        '  run(command="python3 scripts/gpu_session.py --out $OUT --deadline 540",\n'
+        '      carry=[".whl", ".gpu_cache"], timeout_s=570)'
+    )
+
+
+def install_wheels() -> str | None:
+    """There: the carried wheels into /tmp/site (once), if Hydra is missing; the
+    folder for PYTHONPATH."""
+    wheels = sorted(WHEELS.glob("*.whl"))
+    if not wheels or importlib.util.find_spec("hydra") is not None:
+        return None
+    site = pathlib.Path("/tmp/site")
+    if not site.is_dir():
+        subprocess.run(
+            [
+                *(sys.executable, "-m", "pip", "install", "-q", "--no-index"),
+                *("--no-deps", "--no-compile", "--target", str(site)),
+                *map(str, wheels),
+            ],
+            check=True,
+        )
+    return str(site)
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [str(ROOT)]
+    if site := install_wheels():
+        paths.append(site)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*paths, *filter(None, [env.get("PYTHONPATH")])]
+    )
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    if (CACHE / "shakespeare.txt").is_file():
+        env.setdefault("LOWTRAIN_CACHE", str(CACHE))
+    return env
+
+
+def report_environment() -> None:
+    """The `env` stage: what the numbers were measured on."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        query = "--query-gpu=name,driver_version,memory.total,clocks.max.sm"
+        subprocess.run([smi, query, "--format=csv"], check=False)
+    import jax
+
+    print(f"python {sys.version.split()[0]}, jax {jax.__version__}")
+    print("devices:", jax.devices())
+    for name in (
+        "jaxlib",
+        "equinox",
+        "optax",
+        "hydra",
+        "omegaconf",
+        "orbax.checkpoint",
+    ):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            print(f"{name} {getattr(module, '__version__', '?')}")
+        except ImportError as e:
+            print(f"{name}: not importable ({e})")
+
+
+def _result(work: pathlib.Path, output: str) -> str:
+    """The part of a finished stage that goes into summary.md: its bench table, else
+    the end of what it printed."""
+    if (work / "bench.md").is_file():
+        return (work / "bench.md").read_text()
+    lines = output.strip().splitlines()
+    return "```\n" + "\n".join(lines[-40:]) + "\n```"
+
+
+def _run_stage(argv: list[str], log, timeout: float) -> str:
+    """Run one stage, its output appended to `log`; its process group killed at the
+    timeout (the bench's child processes with it). Its status in words."""
+    child = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=environment(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        return f"exit {child.wait(timeout=timeout)}"
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return f"killed at the deadline after {timeout:.0f} s"
+
+
+def run_stages(
+    stages: list[Stage],
+    out: pathlib.Path,
+    deadline: float,
+    work_root: pathlib.Path = pathlib.Path("/tmp/gpu_session"),
+) -> tuple[list[str], list[str]]:
+    """Each stage in order while time is left, in `work_root/<stage>`: `(not run or
+    cut short, failed)`."""
+    start = time.monotonic()
+    work_root.mkdir(parents=True, exist_ok=True)
+    summary, log_path = out / "summary.md", out / "session.log"
+    not_run, failed = [], []
+    for stage in stages:
+        left = deadline - (time.monotonic() - start) - RESERVE_S
+        if left < stage.min_s:
+            not_run.append(stage.name)
+            with summary.open("a") as f:
+                f.write(f"\n## {stage.name}: not run ({left:.0f} s left)\n")
+            continue
+        work = work_root / stage.name
+        work.mkdir(exist_ok=True)
+        argv = [a.replace("{work}", str(work)) for a in stage.argv]
+        argv[0] = sys.executable if argv[0] == "python3" else argv[0]
+        header = f"\n===== {stage.name}: {' '.join(argv)} ({left:.0f} s left)\n"
+        print(header, flush=True)
+        with log_path.open("a") as log:  # written as it runs: a killed call keeps it
+            log.write(header)
+            log.flush()
+            begin = log.tell()
+            t0 = time.monotonic()
+            status = _run_stage(argv, log, left)
+            wall = time.monotonic() - t0
+        with log_path.open(errors="replace") as log:
+            log.seek(begin)
+            output = log.read()
+        if status.startswith("killed"):
+            not_run.append(stage.name)  # what it finished is in its table
+        elif status != "exit 0":
+            failed.append(stage.name)
+        with summary.open("a") as f:
+            f.write(f"\n## {stage.name}: {status}, {wall:.0f} s ({stage.what})\n\n")
+            f.write(_result(work, output) + "\n")
+        print(f"{stage.name}: {status}, {wall:.0f} s", flush=True)
+    with tarfile.open(out / "gpu_session.tar.gz", "w:gz") as tar:
+        tar.add(work_root, arcname="gpu_session")
+    return not_run, failed
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, help="where the results go")
+    parser.add_argument(
+        "--deadline", type=float, default=540, help="seconds for all stages"
+    )
+    parser.add_argument(
+        "--stages",
+        default=",".join(s.name for s in STAGES),
+        help="comma-separated, run in the order of --list",
+    )
+    parser.add_argument("--prepare", action="store_true", help="here, before the run")
+    parser.add_argument("--list", action="store_true", help="the stages, estimates")
+    parser.add_argument("--env", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.prepare:
+        return prepare()
+    if args.env:
+        return report_environment()
+    if args.list:
+        for s in STAGES:
+            print(f"{s.name:<11} ~{s.estimate_s:>4} s (min {s.min_s:>3} s)  {s.what}")
+        return
+    chosen = args.stages.split(",")
+    if unknown := [name for name in chosen if name not in BY_NAME]:
+        parser.error(f"Expected --stages from {list(BY_NAME)}, got {unknown}.")
+    if args.out is None:
+        parser.error("Expected --out DIR (on the device machine: --out $OUT).")
+    if args.deadline <= RESERVE_S:
+        parser.error(f"Expected --deadline above {RESERVE_S} s, got {args.deadline}.")
+    if importlib.util.find_spec("hydra") is None and not any(WHEELS.glob("*.whl")):
+        parser.error(
+            f"Expected Hydra importable or its wheels in {WHEELS}, found neither: run "
+            "`python scripts/gpu_session.py --prepare` where pip reaches PyPI, and "
+            'carry ".whl" in the device call.'
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    stages = [s for s in STAGES if s.name in chosen]
+    not_run, failed = run_stages(stages, args.out, args.deadline)
+    print((args.out / "summary.md").read_text())  # also in the call's output tail
+    if not_run:
+        print(f"Not run or cut short: --stages {','.join(not_run)}")
+    if failed:
+        sys.exit(f"Failed (see summary.md): {', '.join(failed)}")
+    print("Done." if not not_run else "Done, but for those.")
+
+
+if __name__ == "__main__":
+    main()
