@@ -9,8 +9,8 @@ Here, once (downloads the wheels the GPU machine lacks, copies the char data):
 It prints the `run` call to make. There (the `device` tool's `run`, carrying `.whl`
 and `.gpu_cache`, with a `timeout_s` a little above the deadline):
 
-    python3 scripts/gpu_session.py --out "$OUT" --deadline 540
-    python3 scripts/gpu_session.py --out "$OUT" --deadline 200 --stages gpt,small_rest
+    python3 scripts/gpu_session.py --out "$OUT" --deadline 570
+    python3 scripts/gpu_session.py --out "$OUT" --deadline 150 --stages small_half,gpt
 
 A stage starts only if the time left is at least its `min_s`, and is killed at the
 deadline (the bench writes each row as it is measured, so a stage cut short keeps its
@@ -161,8 +161,8 @@ def prepare() -> None:
                 f.write(line + "\n")
     print(
         "Prepared .whl and .gpu_cache. The device call:\n"
-        '  run(command="python3 scripts/gpu_session.py --out $OUT --deadline 540",\n'
-        '      carry=[".whl", ".gpu_cache"], timeout_s=570)'
+        '  run(command="python3 scripts/gpu_session.py --out $OUT --deadline 570",\n'
+        '      carry=[".whl", ".gpu_cache"], timeout_s=595)'
     )
 
 
@@ -305,7 +305,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, help="where the results go")
     parser.add_argument(
-        "--deadline", type=float, default=540, help="seconds for all stages"
+        "--deadline", type=float, default=570, help="seconds for all stages"
     )
     parser.add_argument(
         "--stages",
