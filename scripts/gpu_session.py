@@ -234,13 +234,13 @@ def _result(work: pathlib.Path, output: str) -> str:
     return "```\n" + "\n".join(lines[-40:]) + "\n```"
 
 
-def _run_stage(argv: list[str], log, timeout: float) -> str:
+def _run_stage(argv: list[str], env: dict[str, str], log, timeout: float) -> str:
     """Run one stage, its output appended to `log`; its process group killed at the
     timeout (the bench's child processes with it). Its status in words."""
     child = subprocess.Popen(
         argv,
         cwd=ROOT,
-        env=environment(),
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -262,6 +262,7 @@ def run_stages(
     """Each stage in order while time is left, in `work_root/<stage>`: `(not run or
     cut short, failed)`."""
     start = time.monotonic()
+    env = environment()
     work_root.mkdir(parents=True, exist_ok=True)
     summary, log_path = out / "summary.md", out / "session.log"
     not_run, failed = [], []
@@ -283,7 +284,7 @@ def run_stages(
             log.flush()
             begin = log.tell()
             t0 = time.monotonic()
-            status = _run_stage(argv, log, left)
+            status = _run_stage(argv, env, log, left)
             wall = time.monotonic() - t0
         with log_path.open(errors="replace") as log:
             log.seek(begin)
