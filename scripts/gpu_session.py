@@ -54,6 +54,9 @@ CACHE = ROOT / ".gpu_cache"  # LOWTRAIN_CACHE there: the char data (no network)
 DOWNLOADED = ["hydra-core==1.3.8", "omegaconf==2.3.1"]
 BUILT = ["antlr4-python3-runtime==4.9.3"]
 RESERVE_S = 15  # left at the deadline for the summary and the archive
+# The first call's stages, and its `timeout_s` above them for the wheels' install,
+# the process's start and the transfer back.
+DEADLINE_S, TIMEOUT_S = 570, 595
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,28 +164,26 @@ def prepare() -> None:
                 f.write(line + "\n")
     print(
         "Prepared .whl and .gpu_cache. The device call:\n"
-        '  run(command="python3 scripts/gpu_session.py --out $OUT --deadline 570",\n'
-        '      carry=[".whl", ".gpu_cache"], timeout_s=595)'
+        f'  run(command="python3 scripts/gpu_session.py --out $OUT --deadline '
+        f'{DEADLINE_S}",\n      carry=[".whl", ".gpu_cache"], timeout_s={TIMEOUT_S})'
     )
 
 
 def install_wheels() -> str | None:
-    """There: the carried wheels into /tmp/site (once), if Hydra is missing; the
-    folder for PYTHONPATH."""
+    """There: the carried wheels into /tmp/site, if Hydra is missing (a warm
+    machine's earlier install replaced whole); the folder for PYTHONPATH."""
     wheels = sorted(WHEELS.glob("*.whl"))
     if not wheels or importlib.util.find_spec("hydra") is not None:
         return None
-    site = pathlib.Path("/tmp/site")
-    if not site.is_dir():
-        subprocess.run(
-            [
-                *(sys.executable, "-m", "pip", "install", "-q", "--no-index"),
-                *("--no-deps", "--no-compile", "--target", str(site)),
-                *map(str, wheels),
-            ],
-            check=True,
-        )
-    return str(site)
+    site = "/tmp/site"
+    subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "install", "-q", "--no-index", "--upgrade"),
+            *("--no-deps", "--no-compile", "--target", site, *map(str, wheels)),
+        ],
+        check=True,
+    )
+    return site
 
 
 def environment() -> dict[str, str]:
@@ -234,9 +235,9 @@ def _result(work: pathlib.Path, output: str) -> str:
     return "```\n" + "\n".join(lines[-40:]) + "\n```"
 
 
-def _run_stage(argv: list[str], env: dict[str, str], log, timeout: float) -> str:
+def _run_stage(argv: list[str], env: dict[str, str], log, timeout: float) -> int | None:
     """Run one stage, its output appended to `log`; its process group killed at the
-    timeout (the bench's child processes with it). Its status in words."""
+    timeout (the bench's child processes with it). Its exit status; None if killed."""
     child = subprocess.Popen(
         argv,
         cwd=ROOT,
@@ -246,11 +247,11 @@ def _run_stage(argv: list[str], env: dict[str, str], log, timeout: float) -> str
         start_new_session=True,
     )
     try:
-        return f"exit {child.wait(timeout=timeout)}"
+        return child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
-        return f"killed at the deadline after {timeout:.0f} s"
+        return None
 
 
 def run_stages(
@@ -284,15 +285,18 @@ def run_stages(
             log.flush()
             begin = log.tell()
             t0 = time.monotonic()
-            status = _run_stage(argv, env, log, left)
+            code = _run_stage(argv, env, log, left)
             wall = time.monotonic() - t0
         with log_path.open(errors="replace") as log:
             log.seek(begin)
             output = log.read()
-        if status.startswith("killed"):
+        if code is None:
+            status = f"killed at the deadline after {left:.0f} s"
             not_run.append(stage.name)  # what it finished is in its table
-        elif status != "exit 0":
-            failed.append(stage.name)
+        else:
+            status = f"exit {code}"
+            if code != 0:
+                failed.append(stage.name)
         with summary.open("a") as f:
             f.write(f"\n## {stage.name}: {status}, {wall:.0f} s ({stage.what})\n\n")
             f.write(_result(work, output) + "\n")
@@ -306,7 +310,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, help="where the results go")
     parser.add_argument(
-        "--deadline", type=float, default=570, help="seconds for all stages"
+        "--deadline", type=float, default=DEADLINE_S, help="seconds for all stages"
     )
     parser.add_argument(
         "--stages",
