@@ -3,6 +3,8 @@ dtype (cuDNN's fused kernel on an NVIDIA GPU) instead of op by op."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import NamedTuple
@@ -26,6 +28,23 @@ class AttentionConfig(NamedTuple):
     is_causal: bool
     scale: float | None
     implementation: str | None
+
+
+# Set while a transform that interprets a traced program op by op (`scalify`) traces
+# it: `dot_product_attention` calls that leave `implementation` to lowtrain trace XLA's
+# ops then, which the transform has rules for, instead of cuDNN's kernel, which it
+# does not (and whose backward pass JAX writes before the transform sees it).
+_XLA_ONLY = contextvars.ContextVar("lowtrain_attention_xla_only", default=False)
+
+
+@contextlib.contextmanager
+def xla_only():
+    """Within: `dot_product_attention` with no `implementation` traces "xla"."""
+    token = _XLA_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _XLA_ONLY.reset(token)
 
 
 # The jitted op of each configuration, by the name its `jit` equation carries (which
@@ -144,8 +163,10 @@ def dot_product_attention(
     so under the "bf16" or "fp8" presets a GPU runs cuDNN's kernel in bfloat16 (the
     "fp8" preset keeps attention in bfloat16, as Transformer Engine does; its matmuls
     elsewhere are FP8), while attention written with `jnp.einsum` and
-    `jax.nn.softmax` is placed op by op and writes its scores. Other transforms
-    (`scalify`, `unit_scale`, `numerics`) see the XLA implementation's ops.
+    `jax.nn.softmax` is placed op by op and writes its scores. Under `scalify`, which
+    propagates scales op by op, a call with no `implementation` runs the XLA
+    implementation's ops on any device; other transforms (`numerics`, `unit_scale`)
+    see the op that runs.
 
     ```python
     import jax
@@ -177,6 +198,8 @@ def dot_product_attention(
                 "(seq, heads, head_size) for one sequence."
             )
     scale = None if scale is None else float(scale)
+    if implementation is None and _XLA_ONLY.get():
+        implementation = "xla"
     config = AttentionConfig(bool(is_causal), scale, implementation)
     # Leading axes (none, or several: a `vmap` over a batched call) become one batch
     # axis: the op's jit always sees (batch, seq, heads, head_size).

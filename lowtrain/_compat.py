@@ -218,9 +218,21 @@ def custom_vjp_rule_parts(params: dict[str, Any], num_args: int) -> tuple:
     jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * num_args))
     _, _, res_forwards = params["out_trees"]()
     bwd_fun = params["bwd"]
+    # JAX 0.10: `bwd` returns the flat cotangents. JAX 0.11: it returns the pair
+    # `(cotangents, logs)` (`custom_vjp.defvjp_with_logs`); the logs are dropped, as
+    # a plain `jax.vjp` drops them.
+    returns_logs = _jax_version() >= (0, 11)
 
     def bwd(*args):
         outs = bwd_fun.call_wrapped(*args)
+        if returns_logs:
+            outs, _ = outs
+        if len(outs) != num_args:
+            raise AssertionError(
+                f"JAX {jax.__version__}'s custom_vjp backward rule returned "
+                f"{len(outs)} cotangents for {num_args} primals: update "
+                "lowtrain/_compat.custom_vjp_rule_parts."
+            )
         return [None if isinstance(o, _Zero) else o for o in outs]
 
     return ClosedJaxpr(jaxpr, consts), tuple(res_forwards), bwd

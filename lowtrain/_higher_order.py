@@ -205,7 +205,7 @@ def _custom_vjp_rule(interp, eqn: Eqn, *args):
         res, extra = saved
         cts_in = run_bwd([*res, *values.cotangents_in(extra, cts)])
         cts_in = values.cotangents_out(extra, cts_in)
-        return tuple(interp.coerce(c, t) for c, t in zip(cts_in, in_types))
+        return tuple(interp.coerce(c, t) for c, t in zip(cts_in, in_types, strict=True))
 
     fn.defvjp(fn_fwd, fn_bwd)
     return list(fn(*primals))
@@ -220,7 +220,10 @@ def _zeros_like(type_):
 
 
 def _instantiate(cts, avals):
-    return [jnp.zeros(a.shape, a.dtype) if c is None else c for c, a in zip(cts, avals)]
+    return [
+        jnp.zeros(a.shape, a.dtype) if c is None else c
+        for c, a in zip(cts, avals, strict=True)
+    ]
 
 
 # Maps each higher-order primitive to its rule (see the module docstring).

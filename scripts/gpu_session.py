@@ -10,7 +10,7 @@ It prints the `run` call to make. There (the `device` tool's `run`, carrying `.w
 and `.gpu_cache`, with a `timeout_s` a little above the deadline):
 
     python3 scripts/gpu_session.py --out "$OUT" --deadline 570
-    python3 scripts/gpu_session.py --out "$OUT" --deadline 150 --stages small_half,gpt
+    python3 scripts/gpu_session.py --out "$OUT" --deadline 250 --stages recipes,twin_hlo
 
 A stage starts only if the time left is at least its `min_s`, and is killed at the
 deadline (the bench writes each row as it is measured, so a stage cut short keeps its
@@ -18,18 +18,22 @@ finished rows). What comes back under `--out`: `summary.md` (each stage's exit
 status, time and table: bench.md, the pytest summary, the recipe's final losses),
 `session.log` (everything printed) and `gpu_session.tar.gz` (each stage's files:
 bench.json, bench.png, logs). The last line names the stages not run, to pass as
-`--stages` to the next call. Stages (`--list` prints them with their estimates):
+`--stages` to the next call. Stages, in the order of what is still unmeasured after
+the H200 run of 2026-11-26 (docs/performance.md; `--list` prints the estimates):
 
 - `env`: the GPU, the driver, JAX and the libraries' versions;
+- `gpt`: the char-GPT in every precision: lowtrain / hand and `Trainer.fit` / plain;
+- `small_rest`: gpt_small in scalify_fp8 and unit_fp16, the rows that run missed;
+- `small_unrolled`: gpt_small bf16 with its layers unrolled, against the scanned
+  row (the MFU target);
 - `gpu_tests`: `pytest -m gpu` (FP8 GEMMs on Hopper forward and backward, cuDNN
   attention under amp, the bench's fp8 row all FP8 GEMMs);
-- `small_core`: `bench.py --models gpt_small --precisions fp32,bf16,fp8`: the bf16 2x,
-  fp8 1.3x, MFU and lowtrain / hand targets;
-- `small_half`: bf16 with `precision.residuals=half`: the memory target;
-- `gpt`: the char-GPT in every precision: lowtrain / hand and `Trainer.fit` / plain;
-- `small_rest`: gpt_small in fp16, scalify_fp8 and the unit-scaled precisions;
+- `recipes`: `recipe=gpt_gpu_fp8` to the end, its matmuls FP8 GEMMs now (the
+  results.md line predates them), for docs/results.md;
 - `twin_hlo`: what the GPU's XLA makes of each step against its hand-cast twin;
-- `recipes`: `recipe=gpt_gpu_{fp32,bf16,fp8}` to the end, for docs/results.md.
+- `small_core`: `bench.py --models gpt_small --precisions fp32,bf16,fp8`: the bf16 2x,
+  fp8 1.3x, MFU and lowtrain / hand targets (measured then: a rerun);
+- `small_half`: bf16 with `precision.residuals=half`: the memory (measured then).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ class Stage:
     name: str
     argv: tuple[str, ...]  # run in the repository root; {work} is the stage's folder
     min_s: int  # not started with less time left than this
-    estimate_s: int  # from the 2026-11-25 H100 run's compile and step times
+    estimate_s: int  # the 2026-11-26 H200 run's stage times; else a guess
     what: str
 
 
@@ -78,37 +82,47 @@ STAGES = [
         "env",
         ("python3", "scripts/gpu_session.py", "--env"),
         5,
-        15,
+        5,
         "the GPU, the driver, JAX and the libraries",
-    ),
-    Stage(
-        "gpu_tests",
-        ("python3", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"),
-        90,
-        150,
-        "pytest -m gpu",
-    ),
-    Stage("small_core", _bench(*SMALL, "fp32,bf16,fp8"), 120, 330, "gpt_small speed"),
-    Stage(
-        "small_half",
-        _bench(*SMALL, "bf16", "--set", "precision.residuals=half"),
-        60,
-        70,
-        "gpt_small bf16 memory",
     ),
     Stage(
         "gpt",
         _bench("--models", "gpt", "--overhead-rounds", "2"),
         60,
-        330,
+        230,
         "the char-GPT: lowtrain / hand, fit / plain",
     ),
     Stage(
         "small_rest",
-        _bench(*SMALL, "fp16,scalify_fp8,unit_fp32,unit_bf16,unit_fp8"),
+        _bench(*SMALL, "scalify_fp8,unit_fp16"),
         90,
-        500,
-        "gpt_small: the other precisions",
+        150,
+        "gpt_small: the precisions the 2026-11-26 run missed",
+    ),
+    Stage(
+        "small_unrolled",
+        _bench(*SMALL, "bf16", "--set", "model.scan_layers=false"),
+        60,
+        60,
+        "gpt_small bf16, layers unrolled: the MFU gap",
+    ),
+    Stage(
+        "gpu_tests",
+        ("python3", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"),
+        40,
+        40,
+        "pytest -m gpu",
+    ),
+    Stage(
+        "recipes",
+        (
+            *("python3", "scripts/recipe_results.py", "--task", "gpt_gpu"),
+            *("--precision", "fp8"),
+            *("--out", "{work}"),
+        ),
+        120,
+        300,
+        "recipe=gpt_gpu_fp8 on FP8 GEMMs, for docs/results.md",
     ),
     Stage(
         "twin_hlo",
@@ -121,15 +135,18 @@ STAGES = [
         "compiled lowtrain step against its twin",
     ),
     Stage(
-        "recipes",
-        (
-            *("python3", "scripts/recipe_results.py", "--task", "gpt_gpu"),
-            *("--precision", "fp32", "--precision", "bf16", "--precision", "fp8"),
-            *("--out", "{work}"),
-        ),
+        "small_core",
+        _bench(*SMALL, "fp32,bf16,fp8"),
         120,
-        600,
-        "recipe=gpt_gpu_{fp32,bf16,fp8} for docs/results.md",
+        160,
+        "gpt_small speed (measured 2026-11-26)",
+    ),
+    Stage(
+        "small_half",
+        _bench(*SMALL, "bf16", "--set", "precision.residuals=half"),
+        25,
+        25,
+        "gpt_small bf16 memory (measured 2026-11-26)",
     ),
 ]
 BY_NAME = {stage.name: stage for stage in STAGES}
@@ -327,7 +344,7 @@ def main(argv=None) -> None:
         return report_environment()
     if args.list:
         for s in STAGES:
-            print(f"{s.name:<11} ~{s.estimate_s:>4} s (min {s.min_s:>3} s)  {s.what}")
+            print(f"{s.name:<14} ~{s.estimate_s:>4} s (min {s.min_s:>3} s)  {s.what}")
         return
     chosen = args.stages.split(",")
     if unknown := [name for name in chosen if name not in BY_NAME]:

@@ -220,3 +220,32 @@ def test_cudnn_attention_under_amp():
     np.testing.assert_allclose(y, y_ref, rtol=0.05)
     for a, b in zip(g, g_ref):
         assert jnp.linalg.norm(a - b) / jnp.linalg.norm(b) < 0.05
+
+
+def test_scalify_traces_xla_attention_where_cudnn_would_run(monkeypatch):
+    # As on an NVIDIA GPU: float16 operands would pick cuDNN's kernel, which scalify
+    # has no scale rules for (nor the CPU a kernel). Under scalify the call traces
+    # XLA's ops instead, forward and backward, and computes the float32 result.
+    import lowtrain._attention as attention
+    import lowtrain.scalify as sc
+
+    monkeypatch.setattr(attention, "_on_cuda", lambda: True)
+    assert choose_implementation(F16, 8, None) == "cudnn"
+    q, k, v = qkv()
+    loss = lambda q, k, v: jnp.sum(jnp.sin(causal(q, k, v).astype(F32)))
+    step = jax.value_and_grad(loss, (0, 1, 2))
+    half = [sc.as_scaled_array(x.astype(F16)) for x in (q, k, v)]
+    y, g = sc.scalify(step)(*half)
+    y_ref, g_ref = step(q, k, v)
+    np.testing.assert_allclose(sc.asarray(y, F32), y_ref, rtol=2e-3)
+    for a, b in zip(g, g_ref):
+        assert sc.asarray(a, F16).dtype == F16
+        a = sc.asarray(a, F32)
+        assert jnp.linalg.norm(a - b) / jnp.linalg.norm(b) < 5e-3
+    jaxpr = make_jaxpr(sc.scalify(step))(*half)
+    prims = {e.primitive.name for e in iter_eqns(jaxpr)}
+    assert "dot_general" in prims and not any("attention" in p for p in prims)
+    with attention.xla_only():
+        jaxpr = make_jaxpr(lambda *a: lowtrain.dot_product_attention(*a))(q, k, v)
+    names = {e.params["name"] for e in attention_eqns(jaxpr)}
+    assert {attention._CONFIGS[n].implementation for n in names} == {"xla"}

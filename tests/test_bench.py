@@ -191,6 +191,11 @@ def test_bench_cases_are_the_recipes_trainers(monkeypatch):
     n = 12 * 32**2 + 13 * 32 + 65 * 32 + 2 * 32  # 1 block, tied embedding, ln_f
     assert case.parameters() == n
     assert case.flops() == (6 * n + 12 * 32 * 16) * 64
+    # The unit-scaled model's token embedding is a lookup of its own (untied).
+    unit = throughput.make_case("quick", "unit_bf16", 4)
+    params = eqx.filter(unit.trainer.model, eqx.is_inexact_array)
+    total = sum(x.size for x in jax.tree.leaves(params))
+    assert unit.parameters() == total - 65 * 32
     batch = throughput.synthetic_data(case)(3)
     assert batch["x"].shape == (4, 16) and batch["x"].dtype == "int32"
     assert (batch["x"][:, 1:] == batch["y"][:, :-1]).all()

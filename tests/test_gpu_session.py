@@ -88,7 +88,7 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
     from benchlib import throughput
 
     stages = session.BY_NAME
-    assert list(stages)[:3] == ["env", "gpu_tests", "small_core"]
+    assert list(stages)[:3] == ["env", "gpt", "small_rest"]
     for stage in session.STAGES:
         argv = [a.replace("{work}", "/tmp/x") for a in stage.argv]
         assert argv[0] == "python3"
@@ -102,7 +102,7 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
             assert set(precisions) <= set(throughput.RECIPES) - {"scalify_fp8"}
         elif argv[1] == "scripts/recipe_results.py":
             precisions = [argv[i + 1] for i, a in enumerate(argv) if a == "--precision"]
-            assert precisions == ["fp32", "bf16", "fp8"]
+            assert precisions == ["fp8"]
             for p in precisions:
                 (override,) = recipe_results.RUNS["gpt_gpu", p]
                 name = override.removeprefix("recipe=")
@@ -114,6 +114,8 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
     assert small.precisions == ["fp32", "bf16", "fp8"]
     half = bench.parse_args(stages["small_half"].argv[2:])
     assert half.set == ["precision.residuals=half"]
+    unrolled = bench.parse_args(stages["small_unrolled"].argv[2:])
+    assert unrolled.set == ["model.scan_layers=false"]
 
 
 def test_bad_arguments_say_what_was_expected(session, tmp_path, capsys):

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._attention import xla_only
 from .._eqn import Eqn, Values
 from .._interpret import FlatCall, Interpreter
 from . import _ops  # noqa: F401  (registers the rule of the scalify_op primitive)
@@ -153,7 +154,8 @@ def _abstract(x):
 @eqx.filter_jit
 def _scalify_call(fn, pow2, auto_rescale, args, kwargs):
     call = FlatCall(fn, args, kwargs, is_leaf=is_scaled)
-    closed = jax.make_jaxpr(call)(*map(_abstract, call.inputs))
+    with xla_only():  # attention as XLA's ops, which have scale rules, on any device
+        closed = jax.make_jaxpr(call)(*map(_abstract, call.inputs))
     outs = _ScalifyInterpreter(pow2, auto_rescale).eval_jaxpr(closed, call.inputs)
     return call.rebuild([_merged(v) for v in outs])
 

@@ -43,7 +43,9 @@ RECIPES = {
     "unit_fp8": "gpt_unit_fp8",
 }
 # The dtype whose peak bounds each precision's matmuls. fp32 runs at JAX's default
-# matmul precision, which on A100/H100/H200 is TF32 for float32 dots.
+# matmul precision, which on A100/H100/H200 is TF32 for float32 dots. unit_fp8 rounds
+# its matmuls' operands to FP8 and multiplies them in bfloat16 (`fp8_naive`: a cast
+# and back, no FP8 GEMM; H200, 2026-11-26: 0 of 255), so bfloat16's peak bounds it.
 PEAK_DTYPE = {
     "fp32": "tf32",
     "bf16": "bf16",
@@ -53,7 +55,7 @@ PEAK_DTYPE = {
     "unit_fp32": "tf32",
     "unit_bf16": "bf16",
     "unit_fp16": "fp16",
-    "unit_fp8": "fp8",
+    "unit_fp8": "bf16",
 }
 # Dense tensor-core peaks in TFLOP/s (no sparsity), from NVIDIA's data sheets.
 PEAKS = {
@@ -133,10 +135,15 @@ class Case:
         return out[0] if isinstance(out, tuple) else out
 
     def parameters(self) -> int:
-        """Parameters in matmuls: all but the position embedding (a lookup)."""
-        params = eqx.filter(self.trainer.model, eqx.is_inexact_array)
+        """Parameters in matmuls: all but the lookups, the GPT's position embedding
+        (`wpe`; its token embedding is the head too) and the unit-scaled model's
+        token embedding (`embedding`, untied from its `projection`)."""
+        model = self.trainer.model
+        params = eqx.filter(model, eqx.is_inexact_array)
         n = sum(x.size for x in jax.tree.leaves(params))
-        return n - getattr(getattr(self.trainer.model, "wpe", None), "size", 0)
+        lookups = (getattr(model, "wpe", None), getattr(model, "embedding", None))
+        lookups = [getattr(x, "weight", x) for x in lookups if x is not None]
+        return n - sum(x.size for x in lookups)
 
     def flops(self) -> float:
         """Model FLOPs per step, as nanoGPT counts them: 6 x parameters x tokens
