@@ -5,6 +5,7 @@ from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._data import ArrayBatches as ArrayBatches
+from ._finite import apply_if_finite as apply_if_finite
 from ._hooks import StepInfo as StepInfo
 from ._jit import async_filter_jit as async_filter_jit
 from ._numerics import NumericsRecorder as NumericsRecorder

@@ -23,7 +23,7 @@ from ._checkpoint import (
     load_checkpoint,
 )
 from ._hooks import StepInfo
-from ._metrics import learning_rate
+from ._metrics import LearningRates
 from ._state import TrainState
 
 
@@ -201,6 +201,8 @@ def step_info(trainer, state, metrics, batch, clock, done) -> StepInfo:
         scale = 1.0
     else:
         scale = float(state.loss_scale.loss_scale)
+    # Kept on the Trainer: the states of its optimizer share one structure.
+    rates = vars(trainer).setdefault("_learning_rates", LearningRates())
     return StepInfo(
         step=done,
         state=state,
@@ -209,9 +211,7 @@ def step_info(trainer, state, metrics, batch, clock, done) -> StepInfo:
         loss_scale=scale,
         skipped=skipped,
         grad_norm=float(metrics["grad_norm"]),
-        learning_rate=learning_rate(
-            state.opt_state, trainer.learning_rate, done - skipped
-        ),
+        learning_rate=rates(state.opt_state, trainer.learning_rate, done - skipped),
         steps_per_second=steps_per_second,
         examples_per_second=steps_per_second * _batch_size(batch),
     )

@@ -65,6 +65,29 @@ class StepInfo(eqx.Module):
     examples_per_second: float
     eval: dict[str, float] | None = None
 
+    # Written out: the `__init__` Equinox generates walks every leaf of its
+    # arguments, here the whole `TrainState`, at each of `fit`'s logs.
+    def __init__(
+        self,
+        step: int,
+        state: TrainState,
+        loss: float,
+        aux: Any,
+        loss_scale: float,
+        skipped: int,
+        grad_norm: float,
+        learning_rate: float | None,
+        steps_per_second: float,
+        examples_per_second: float,
+        eval: dict[str, float] | None = None,
+    ):
+        self.step, self.state, self.loss, self.aux = step, state, loss, aux
+        self.loss_scale, self.skipped, self.grad_norm = loss_scale, skipped, grad_norm
+        self.learning_rate = learning_rate
+        self.steps_per_second = steps_per_second
+        self.examples_per_second = examples_per_second
+        self.eval = eval
+
 
 class Hook(NamedTuple):
     fn: Callable[[StepInfo], Any]

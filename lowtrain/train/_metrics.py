@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,19 +33,73 @@ def learning_rate(
     optimizer has one; else `schedule(applied - 1)` for a schedule (`schedule(0)` before
     any update), `schedule` itself for a number, and None without either.
     """
+    return _rate(_find_injected(opt_state)[1], schedule, applied)
 
-    def is_injected(x):
-        return isinstance(getattr(x, "hyperparams", None), dict)
 
-    for s in jax.tree.leaves(opt_state, is_leaf=is_injected):
-        if is_injected(s) and "learning_rate" in s.hyperparams:
-            # Under transform="scalify" it is a ScaledArray.
-            return float(np.asarray(s.hyperparams["learning_rate"]))
+def _is_injected(x) -> bool:  # an `optax.inject_hyperparams` state
+    return isinstance(getattr(x, "hyperparams", None), dict)
+
+
+def _has_learning_rate(x) -> bool:
+    return _is_injected(x) and "learning_rate" in x.hyperparams
+
+
+def _find_injected(opt_state: PyTree) -> tuple[tuple | None, Any]:
+    """`(key path, state)` of the first `inject_hyperparams` state with a learning
+    rate in `opt_state` (in `jax.tree.leaves` order), or `(None, None)`."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_injected)
+    return next(((p, x) for p, x in flat if _has_learning_rate(x)), (None, None))
+
+
+def _at(tree: PyTree, path: tuple):
+    """The subtree of `tree` at `path` (keys as `tree_flatten_with_path` gives
+    them), or None where a key does not apply."""
+    try:
+        for key in path:
+            if isinstance(key, jax.tree_util.GetAttrKey):
+                tree = getattr(tree, key.name)
+            elif isinstance(key, jax.tree_util.SequenceKey):
+                tree = tree[key.idx]
+            elif isinstance(key, jax.tree_util.DictKey):
+                tree = tree[key.key]
+            else:  # FlattenedIndexKey: no way in but flattening
+                return None
+    except (AttributeError, LookupError, TypeError):
+        return None
+    return tree
+
+
+def _rate(injected, schedule, applied: int) -> float | None:
+    if injected is not None:
+        # Under transform="scalify" it is a ScaledArray.
+        return float(np.asarray(injected.hyperparams["learning_rate"]))
     if schedule is None:
         return None
     if callable(schedule):
         return float(schedule(max(applied - 1, 0)))
     return float(schedule)
+
+
+class LearningRates:
+    """`learning_rate(opt_state, schedule, applied)` for the optimizer states of
+    one Trainer, called as `rates(opt_state, schedule, applied)`. Its states share
+    one structure, so where their `inject_hyperparams` state is (or that they have
+    none) is found once, not by walking the whole state (moments as large as the
+    model) at every log; it is searched anew if it is not where it was found."""
+
+    def __init__(self):
+        self._path: tuple | None = None
+        self._searched = False
+
+    def __call__(
+        self, opt_state: PyTree, schedule: Callable | float | None, applied: int
+    ) -> float | None:
+        injected = None if self._path is None else _at(opt_state, self._path)
+        moved = self._path is not None and not _has_learning_rate(injected)
+        if moved or not self._searched:
+            self._path, injected = _find_injected(opt_state)
+            self._searched = True
+        return _rate(injected, schedule, applied)
 
 
 def to_json(value):

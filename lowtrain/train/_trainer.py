@@ -11,7 +11,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jaxtyping import Array, PRNGKeyArray, PyTree
 from tqdm import tqdm
@@ -19,6 +18,7 @@ from tqdm import tqdm
 from .._amp import Policy
 from .._loss_scale import NoOpLossScale, _LossScale
 from ._accumulate import accumulated_value_and_grad, check_counts
+from ._finite import skip_nonfinite
 from ._fit import (
     check_loss,
     check_trainer_args,
@@ -32,13 +32,10 @@ from ._hooks import Hook, StepInfo
 from ._jit import async_filter_jit
 from ._metrics import JsonlWriter, global_norm
 from ._numerics import NumericsRecorder
-from ._placement import constrain_state, data_mesh, put_state, shard_batch
+from ._placement import constrain_state, data_mesh, put_state, shard_batch, step_batch
 from ._precision import Precision
 from ._precisions import resolve
 from ._state import TrainState
-
-# `optax.apply_if_finite` never applies a non-finite update: its count saturates here.
-_NEVER = int(np.iinfo(np.int32).max)
 
 
 class Trainer:
@@ -56,9 +53,10 @@ class Trainer:
     - `loss_scale`: default the precision's `default_loss_scale()`
       (`DynamicLossScale()` if an `Amp` policy computes in float16), else
       `NoOpLossScale()`. `redo_on_nan` is passed to `lowtrain.scaled_value_and_grad`.
-    - The optimizer is wrapped in `optax.apply_if_finite` (that is `self.optimizer`):
-      a step whose gradients are not all finite leaves the model and the optimizer
-      state bit for bit unchanged and counts in `state.skipped` (only the loss scale
+    - The optimizer is wrapped in `optax.apply_if_finite` (that is `self.optimizer`;
+      on GPUs `lowtrain.train.apply_if_finite`, the same without a branch): a step
+      whose gradients are not all finite leaves the model and the optimizer state
+      bit for bit unchanged and counts in `state.skipped` (only the loss scale
       backs off).
     - `stop_on_nonfinite` (default: True exactly when the loss scale is a
       `NoOpLossScale`): `fit` raises `FloatingPointError` on a non-finite loss.
@@ -133,7 +131,6 @@ class Trainer:
                 f"{type(loss_scale).__name__} instead."
             )
         self.model = model
-        self.optimizer = optax.apply_if_finite(optimizer, _NEVER)
         self.loss_scale = loss_scale
         self.redo_on_nan, self.grad_accum = check_counts(redo_on_nan, grad_accum)
         if stop_on_nonfinite is None:
@@ -141,6 +138,7 @@ class Trainer:
         self.stop_on_nonfinite = bool(stop_on_nonfinite)
         self.learning_rate = learning_rate
         self.devices, self.mesh, self.sharding = data_mesh(devices, sharding)
+        self.optimizer = skip_nonfinite(optimizer, self.devices)
         self.hooks: list[Hook] = []
         self.numerics = NumericsRecorder(numerics_every)
 
@@ -355,7 +353,7 @@ class Trainer:
         pending = None  # (step, loss) not yet checked by stop_on_nonfinite
         try:
             for s in range(start, plan.total):
-                batch = self.shard_batch(data(s))
+                batch = step_batch(self.devices, self.mesh, data(s))
                 self.numerics.maybe_record(self, state, batch, s, metrics_file)
                 state, metrics = self.compiled_step(batch, state)
                 done = s + 1
