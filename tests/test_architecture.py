@@ -1,7 +1,7 @@
 """The layering of docs/architecture.md, checked on the source (an AST walk).
 
 core (`_compat`, `_eqn`, `_higher_order`, `_interpret`, `_pow2`, `_scopes`,
-`_attention`) <-
+`_attention`, `_devices`) <-
 transforms (`fp8`, `_amp`, `scalify`, `_loss_scale`, `_rewrite`, `unit_scaling`) <-
 `train` <- the
 `lowtrain` package's public surface <- recipes and configs <- the app <- scripts.
@@ -40,6 +40,7 @@ LAYERS = {
     "lowtrain._scopes": 0,
     "lowtrain._checkout": 0,
     "lowtrain._attention": 0,
+    "lowtrain._devices": 0,
     "lowtrain.fp8": 1,
     "lowtrain._amp": 1,
     "lowtrain.scalify": 1,

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._devices import any_gpu
+
 
 def apply_if_finite(
     inner: optax.GradientTransformation, max_consecutive_errors: int
@@ -106,6 +108,6 @@ def skip_nonfinite(
     """The Trainer's optimizer: `optimizer` wrapped to skip every non-finite step,
     by `apply_if_finite` (a select) when `devices` are GPUs and by
     `optax.apply_if_finite` (a branch) elsewhere (module docstring)."""
-    if any(d.platform == "gpu" for d in devices):
+    if any_gpu(devices):
         return apply_if_finite(optimizer, NEVER)
     return optax.apply_if_finite(optimizer, NEVER)
