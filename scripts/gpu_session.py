@@ -26,6 +26,8 @@ the H200 run of 2026-11-26 (docs/performance.md; `--list` prints the estimates):
 - `small_rest`: gpt_small in scalify_fp8 and unit_fp16, the rows that run missed;
 - `small_unrolled`: gpt_small bf16 with its layers unrolled, against the scanned
   row (the MFU target);
+- `profile_fp8`: `scripts/profile_step.py` on gpt_small's fp8 step, its device ops
+  by name (the fp8 1.3x target);
 - `gpu_tests`: `pytest -m gpu` (FP8 GEMMs on Hopper forward and backward, cuDNN
   attention under amp, the bench's fp8 row all FP8 GEMMs);
 - `recipes`: `recipe=gpt_gpu_fp8` to the end, its matmuls FP8 GEMMs now (the
@@ -105,6 +107,17 @@ STAGES = [
         60,
         60,
         "gpt_small bf16, layers unrolled: the MFU gap",
+    ),
+    Stage(
+        "profile_fp8",
+        (
+            *("python3", "scripts/profile_step.py", "--model", "gpt_small"),
+            # The trace stays on the machine: the ops' table is what comes back.
+            *("--precision", "fp8", "--out", "/tmp/profile_fp8"),
+        ),
+        90,
+        100,
+        "where gpt_small's fp8 step spends its time (the fp8 1.3x target)",
     ),
     Stage(
         "gpu_tests",

@@ -100,6 +100,10 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
             precisions = argv[argv.index("--precisions") + 1].split(",")
             assert model in throughput.SIZES
             assert set(precisions) <= set(throughput.RECIPES) - {"scalify_fp8"}
+        elif argv[1] == "scripts/profile_step.py":  # its CLI's choices
+            model = argv[argv.index("--model") + 1]
+            precision = argv[argv.index("--precision") + 1]
+            assert model in throughput.SIZES and precision in throughput.RECIPES
         elif argv[1] == "scripts/recipe_results.py":
             precisions = [argv[i + 1] for i, a in enumerate(argv) if a == "--precision"]
             assert precisions == ["fp8"]
