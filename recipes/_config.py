@@ -98,6 +98,18 @@ class NaiveFp8PrecisionConfig:
 
 
 @dataclass
+class DelayedFp8PrecisionConfig:
+    name: str = MISSING
+    _target_: str = "lowtrain.recipes.precisions.delayed_fp8"
+    history: int = 16  # steps of amax history a scale is computed from
+    margin: int = 0  # powers of two of headroom below the format's largest value
+
+    def __post_init__(self):
+        _positive(self.history, "precision.history")
+        _at_least(self.margin, 0, "precision.margin")
+
+
+@dataclass
 class ScalifyPrecisionConfig:
     name: str = MISSING
     _target_: str = "lowtrain.recipes.precisions.scalify"
@@ -276,7 +288,8 @@ class Config:
     model: Any = MISSING  # MLPConfig, CNNConfig or GPTConfig
     data: Any = MISSING  # MnistDataConfig or TextDataConfig
     optimizer: Any = MISSING  # AdamWConfig or SGDConfig
-    # AmpPrecisionConfig, NaiveFp8PrecisionConfig or ScalifyPrecisionConfig
+    # AmpPrecisionConfig, NaiveFp8PrecisionConfig, DelayedFp8PrecisionConfig or
+    # ScalifyPrecisionConfig
     precision: Any = MISSING
     trainer: TrainerConfig = MISSING
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -285,6 +298,7 @@ class Config:
 SCHEMAS = {
     "precision/amp": AmpPrecisionConfig,
     "precision/naive_fp8": NaiveFp8PrecisionConfig,
+    "precision/delayed_fp8": DelayedFp8PrecisionConfig,
     "precision/scalify": ScalifyPrecisionConfig,
     "model/mlp": MLPConfig,
     "model/cnn": CNNConfig,

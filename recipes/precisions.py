@@ -3,25 +3,33 @@
 scalify's FP8 path. With `lowtrain.train.Rewrite` applied to every `dot_general` and
 `conv_general_dilated`, rules make the FP8 baseline (`naive_fp8_op`, which is
 `lowtrain.unit_scaling.fp8_cast_op`, the cast of `uu.simulate_fp8`) and scalify's
-FP8 path out of models written in plain JAX.
+FP8 path out of models written in plain JAX. `fp8_delayed` swaps the models'
+`Linear` layers for `DelayedLinear` (FP8 with delayed scaling) when the Trainer
+initialises them.
 
     python -m lowtrain recipe=mnist precision=fp8_naive
+    python -m lowtrain recipe=gpt precision=fp8_delayed
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from jaxtyping import Array
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
 
 import lowtrain
+import lowtrain.fp8 as fp8
 from lowtrain.fp8 import E4M3, E5M2
 from lowtrain.scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
-from lowtrain.train import Amp, Chain, Precision, Rewrite, Scalify
+from lowtrain.train import Amp, Chain, DelayedFp8, Precision, Rewrite, Scalify
 from lowtrain.unit_scaling import MATMULS, fp8_cast_rules, keep_scopes
 from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op  # noqa: F401 (the rule)
 
 from ._config import LossScale
+from ._layers import Linear
 
 
 def scalify_fp8_op(op, lhs: Array, rhs: Array) -> Array:
@@ -83,3 +91,77 @@ def scalify(policy: str = "p=f32,c=f16", fp8: bool = False) -> Precision:
     if not fp8:
         return Scalify(policy)
     return Chain(Scalify(policy), Rewrite(dict.fromkeys(MATMULS, scalify_fp8_op)))
+
+
+class DelayedLinear(eqx.Module):
+    """`Linear` with its matmul in FP8 under delayed scaling: `x` and `kernel` cast to
+    E4M3, the output cotangent to E5M2, each with the scale of its
+    `lowtrain.fp8.DelayedScale` (the largest amax of the last `history` steps), so no
+    cast waits for the amax of its own tensor (`lowtrain.fp8.fp8_dot_general_delayed`;
+    the new amax histories come back as the "gradients" of the scales, which
+    `lowtrain.train.DelayedFp8` writes into the model after the update). Made from a
+    `Linear` by `DelayedLinears`, with the same `kernel` and `bias`; a stacked
+    `Linear` (the GPT's blocks, `kernel` of shape `(layers, in, out)`) gets stacked
+    scales, one history per layer.
+
+    The first step quantizes with scale 1 (no history yet), as Transformer Engine's
+    does.
+    """
+
+    kernel: Float[Array, "*stack in out"]
+    bias: Float[Array, "*stack out"] | None
+    x_scale: fp8.DelayedScale
+    w_scale: fp8.DelayedScale
+    g_scale: fp8.DelayedScale
+
+    def __init__(self, linear: Linear, *, history: int = 16, margin: int = 0):
+        stack = linear.kernel.shape[:-2]
+
+        def scale(dtype):
+            one = fp8.DelayedScale(dtype, history=history, margin=margin)
+            return jax.tree.map(lambda a: jnp.broadcast_to(a, stack + a.shape), one)
+
+        self.kernel, self.bias = linear.kernel, linear.bias
+        self.x_scale, self.w_scale, self.g_scale = scale(E4M3), scale(E4M3), scale(E5M2)
+
+    def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
+        dn = (((x.ndim - 1,), (0,)), ((), ()))
+        y = fp8.fp8_dot_general_delayed(
+            x, self.kernel, dn, self.x_scale, self.w_scale, self.g_scale
+        )
+        return y if self.bias is None else y + jnp.broadcast_to(self.bias, y.shape)
+
+
+class DelayedLinears(Precision):
+    """Every `Linear` of the model as a `DelayedLinear` (in `cast_params`, so in
+    `Trainer.init`: the state, its checkpoints and `export` hold the swapped model).
+    Chain it with `Amp("fp8")`, which keeps the other matmuls (the GPT's tied head, the
+    einsum attention, the CNN's convolutions) in current-scaled FP8, and `DelayedFp8`,
+    which carries the scales' state from step to step (`delayed_fp8`)."""
+
+    history: int = eqx.field(static=True)
+    margin: int = eqx.field(static=True)
+
+    def cast_params(self, model):
+        is_linear = lambda m: isinstance(m, Linear)
+        if not any(map(is_linear, jax.tree.leaves(model, is_leaf=is_linear))):
+            raise ValueError(
+                "Expected a model with the recipes' `Linear` layers for "
+                f"`precision=fp8_delayed`, got a {type(model).__name__} without "
+                "any. The unit-scaled models (`model=gpt_unit`, `model=mlp_unit`) "
+                "have their own FP8 recipes (`recipe=gpt_unit_fp8`); use "
+                "`precision=fp8` for current scaling."
+            )
+        swap = lambda m: (
+            DelayedLinear(m, history=self.history, margin=self.margin)
+            if is_linear(m)
+            else m
+        )
+        return jax.tree.map(swap, model, is_leaf=is_linear)
+
+
+def delayed_fp8(history: int = 16, margin: int = 0) -> Precision:
+    """The `fp8` policy with delayed scaling for the models' `Linear` layers
+    (`DelayedLinears`, scales from the largest amax of the last `history` steps,
+    `margin` powers of two of headroom), current scaling for their other matmuls."""
+    return Chain(DelayedLinears(history, margin), amp("fp8"), DelayedFp8())

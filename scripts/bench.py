@@ -4,11 +4,10 @@ char-GPT and a GPU-size GPT in every precision the recipes have.
 For each model (`gpt`: the recipes' char-GPT, 4 layers, width 128, context 64, batch
 32; `gpt_small`: `model=gpt_small`, GPT-2 small's shape, context 1024, vocabulary
 50304, batch 16 (32 does not fit an 80 GB GPU in fp32), on synthetic tokens) and
-precision (fp32, bf16, fp16, fp8, scalify_fp8 from `recipe=gpt_<precision>`;
-unit_fp32, unit_bf16, unit_fp16, unit_fp8: `model=gpt_unit` from
-`recipe=gpt_unit_<precision>`), the Trainer
-is built as `python -m lowtrain` builds it (`scripts/benchlib/throughput.py`) and its
-compiled step is timed:
+precision (fp32, bf16, fp16, fp8, fp8_delayed, scalify_fp8 from
+`recipe=gpt_<precision>`; unit_fp32, unit_bf16, unit_fp16, unit_fp8: `model=gpt_unit`
+from `recipe=gpt_unit_<precision>`), the Trainer is built as `python -m lowtrain`
+builds it (`scripts/benchlib/throughput.py`) and its compiled step is timed:
 
 - step time: `--steps` (>= 20) steps after warm-up, interleaved in rounds of 5 with
   the same step written by hand with explicit casts (`benchlib.models`: the float32
@@ -16,10 +15,10 @@ compiled step is timed:
   for fp8 with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand;
   unit_fp32: the unit-scaled model's own float32 loss; unit_bf16/fp16/fp8: the
   unit-scaled model with its casts and FP8 casts written by hand,
-  `benchlib.unit_twin`; no twin for scalify_fp8) in the same process; each round's 5
-  steps queue one after another as in training (both steps compiled by
-  `lowtrain.train.async_filter_jit`, so the host dispatches the next while the
-  device runs one) and are timed together: the median over rounds of the time per
+  `benchlib.unit_twin`; no twin for scalify_fp8 and fp8_delayed) in the same
+  process; each round's 5 steps queue one after another as in training (both steps
+  compiled by `lowtrain.train.async_filter_jit`, so the host dispatches the next
+  while the device runs one) and are timed together: the median over rounds of the time per
   step; `lowtrain / hand` is their ratio;
 - tokens/s; MFU: model FLOPs (6 x parameters x tokens + attention) per second over
   the device's dense peak for the precision's matmul dtype (H100 SXM, H200, A100;
@@ -34,9 +33,9 @@ compiled step is timed:
 - the Trainer's overhead (char-GPT only): `Trainer.fit` against a plain loop calling
   the same compiled step on the same data, interleaved (`benchlib/overhead.py`);
 - issue 13's targets for each model, from these rows: bf16 against fp32 and fp8
-  against bf16 (step time), bf16's MFU, bf16's peak memory against fp32's, the
-  largest lowtrain / hand and fit / plain; met or missed (speed and memory of low
-  precision get no verdict on a CPU, which emulates it).
+  (and fp8_delayed) against bf16 (step time), bf16's MFU, bf16's peak memory
+  against fp32's, the largest lowtrain / hand and fit / plain; met or missed (speed
+  and memory of low precision get no verdict on a CPU, which emulates it).
 
 Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`; with
 `--save-hlo DIR` each step's optimized HLO too. A case that fails (out of memory,

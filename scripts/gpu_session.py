@@ -22,6 +22,8 @@ bench.json, bench.png, logs). The last line names the stages not run, to pass as
 the H200 run of 2026-11-26 (docs/performance.md; `--list` prints the estimates):
 
 - `env`: the GPU, the driver, JAX and the libraries' versions;
+- `small_fp8`: gpt_small in bf16, fp8 and fp8_delayed (delayed scaling, new since
+  that run), one bench run: the fp8 1.3x target;
 - `gpt`: the char-GPT in every precision: lowtrain / hand and `Trainer.fit` / plain;
 - `small_rest`: gpt_small in scalify_fp8 and unit_fp16, the rows that run missed;
 - `small_unrolled`: gpt_small bf16 with its layers unrolled, against the scanned
@@ -32,6 +34,7 @@ the H200 run of 2026-11-26 (docs/performance.md; `--list` prints the estimates):
   attention under amp, the bench's fp8 row all FP8 GEMMs);
 - `recipes`: `recipe=gpt_gpu_fp8` to the end, its matmuls FP8 GEMMs now (the
   results.md line predates them), for docs/results.md;
+- `recipes_delayed`: `recipe=gpt_gpu_fp8_delayed` to the end, for docs/results.md;
 - `twin_hlo`: what the GPU's XLA makes of each step against its hand-cast twin;
 - `small_core`: `bench.py --models gpt_small --precisions fp32,bf16,fp8`: the bf16 2x,
   fp8 1.3x, MFU and lowtrain / hand targets (measured then: a rerun);
@@ -88,6 +91,13 @@ STAGES = [
         "the GPU, the driver, JAX and the libraries",
     ),
     Stage(
+        "small_fp8",
+        _bench(*SMALL, "bf16,fp8,fp8_delayed"),
+        120,
+        150,
+        "gpt_small: fp8 and fp8_delayed against bf16 (the fp8 1.3x target)",
+    ),
+    Stage(
         "gpt",
         _bench("--models", "gpt", "--overhead-rounds", "2"),
         60,
@@ -136,6 +146,17 @@ STAGES = [
         120,
         300,
         "recipe=gpt_gpu_fp8 on FP8 GEMMs, for docs/results.md",
+    ),
+    Stage(
+        "recipes_delayed",
+        (
+            *("python3", "scripts/recipe_results.py", "--task", "gpt_gpu"),
+            *("--precision", "fp8_delayed"),
+            *("--out", "{work}"),
+        ),
+        120,
+        300,
+        "recipe=gpt_gpu_fp8_delayed, for docs/results.md",
     ),
     Stage(
         "twin_hlo",
@@ -357,7 +378,7 @@ def main(argv=None) -> None:
         return report_environment()
     if args.list:
         for s in STAGES:
-            print(f"{s.name:<14} ~{s.estimate_s:>4} s (min {s.min_s:>3} s)  {s.what}")
+            print(f"{s.name:<15} ~{s.estimate_s:>4} s (min {s.min_s:>3} s)  {s.what}")
         return
     chosen = args.stages.split(",")
     if unknown := [name for name in chosen if name not in BY_NAME]:

@@ -88,7 +88,7 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
     from benchlib import throughput
 
     stages = session.BY_NAME
-    assert list(stages)[:3] == ["env", "gpt", "small_rest"]
+    assert list(stages)[:4] == ["env", "small_fp8", "gpt", "small_rest"]
     for stage in session.STAGES:
         argv = [a.replace("{work}", "/tmp/x") for a in stage.argv]
         assert argv[0] == "python3"
@@ -106,13 +106,15 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
             assert model in throughput.SIZES and precision in throughput.RECIPES
         elif argv[1] == "scripts/recipe_results.py":
             precisions = [argv[i + 1] for i, a in enumerate(argv) if a == "--precision"]
-            assert precisions == ["fp8"]
+            assert precisions in (["fp8"], ["fp8_delayed"])
             for p in precisions:
                 (override,) = recipe_results.RUNS["gpt_gpu", p]
                 name = override.removeprefix("recipe=")
                 assert (ROOT / "conf" / "recipe" / f"{name}.yaml").is_file()
         else:
             assert argv[1:3] in (["scripts/gpu_session.py", "--env"], ["-m", "pytest"])
+    fp8 = bench.parse_args(stages["small_fp8"].argv[2:])
+    assert fp8.precisions == ["bf16", "fp8", "fp8_delayed"]  # ratios in one run
     small = bench.parse_args(stages["small_core"].argv[2:])
     assert small.models == ["gpt_small"]
     assert small.precisions == ["fp32", "bf16", "fp8"]

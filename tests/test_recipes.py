@@ -41,7 +41,15 @@ from .helpers import fake_mnist, iter_eqns
 RECIPES = [
     f"{task}{suffix}"
     for task in ("mnist", "gpt")
-    for suffix in ("", "_fp32", "_bf16", "_fp16", "_fp8", "_scalify_fp8")
+    for suffix in (
+        "",
+        "_fp32",
+        "_bf16",
+        "_fp16",
+        "_fp8",
+        "_fp8_delayed",
+        "_scalify_fp8",
+    )
 ]
 _config.register()
 
@@ -79,6 +87,9 @@ def test_every_recipe_composes(recipe):
     kinds = [type(part).__name__ for part in parts]
     if precision.startswith("scalify"):
         assert kinds == ["Scalify", "Rewrite"]  # scalify_fp8: FP8 casts on matmuls
+    elif precision == "fp8_delayed":  # the Linear layers swapped, their state kept
+        assert kinds == ["DelayedLinears", "Amp", "DelayedFp8"]
+        assert parts[1].policy == lowtrain.get_policy("fp8")
     else:
         assert kinds == ["Amp"] and parts[0].policy == lowtrain.get_policy(
             precision or "fp32"

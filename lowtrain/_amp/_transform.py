@@ -193,8 +193,33 @@ def _save_half(half):
     return saveable
 
 
-def _cast_floats(leaves, dtype):
-    return [_cast(x, dtype) if _is_float(x.dtype) else x for x in leaves]
+def _cast_floats(leaves, dtype, keep=()):
+    """`leaves` with the floats cast to `dtype`, except where `keep` (aligned with
+    the end of `leaves`) is True."""
+    keep = [False] * (len(leaves) - len(keep)) + list(keep)
+    return [
+        _cast(x, dtype) if _is_float(x.dtype) and not k else x
+        for x, k in zip(leaves, keep, strict=True)
+    ]
+
+
+def _scaling_state(tree) -> list[bool]:
+    """For each array leaf of `tree`: whether it is FP8 delayed-scaling state (a leaf
+    of a `lowtrain.fp8.DelayedScale`). That state enters `amp` as it is stored,
+    float32: its new value comes back as its cotangent, which a cast on entry would
+    round to the compute dtype."""
+    is_state = lambda x: isinstance(x, fp8.DelayedScale)
+    marks = jax.tree.map(
+        lambda x: jax.tree.map(lambda _: True, x) if is_state(x) else False,
+        tree,
+        is_leaf=is_state,
+    )
+    leaves = jax.tree.leaves(tree)
+    return [
+        m
+        for x, m in zip(leaves, jax.tree.leaves(marks), strict=True)
+        if eqx.is_array(x)
+    ]
 
 
 @eqx.filter_jit
@@ -202,12 +227,13 @@ def _amp_call(fn, policy: Policy, args, kwargs):
     # Traced once per input structure (filter_jit's cache): the program is traced at the
     # dtypes it was written for, then re-interpreted under the policy.
     call = FlatCall(fn, args, kwargs)
+    keep = _scaling_state((fn, args, kwargs))  # aligned with `call.inputs`
     remat = _save_half(policy.compute_dtype) if policy.residuals == "half" else None
     outs = call_transformed(
         _AmpInterpreter(policy),
         call,
         call.inputs,
-        enter=lambda xs: _cast_floats(xs, policy.compute_dtype),
+        enter=lambda xs: _cast_floats(xs, policy.compute_dtype, keep),
         leave=lambda outs: _cast_floats(outs, policy.output_dtype),
         remat_policy=remat,
     )

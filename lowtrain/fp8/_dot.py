@@ -197,9 +197,27 @@ def fp8_conv_general_dilated(
 def fp8_dot_general_delayed(lhs, rhs, dimension_numbers, lhs_scale, rhs_scale, g_scale):
     """`fp8_dot_general` with delayed scaling.
 
-    Each tensor is quantized with the scale of its `DelayedScale`, and the "gradients"
-    returned for the three `DelayedScale` arguments are their updated states
-    (overwrite with gradient; see `Fp8Linear`)."""
+    Each tensor is quantized with the scale of its `DelayedScale` (`lhs_scale`,
+    `rhs_scale`: E4M3; `g_scale`, the output cotangent's: E5M2), so no cast waits for
+    its own tensor's amax, and the "gradients" returned for the three `DelayedScale`
+    arguments are their updated states (overwrite with gradient; see `Fp8Linear`,
+    `pop_scales`). The result is in `lhs.dtype`.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.fp8 as fp8
+
+    x, w = jnp.full((2, 4), 3.0), jnp.full((4, 3), 0.5)
+    s = [fp8.DelayedScale(fp8.E4M3), fp8.DelayedScale(fp8.E4M3)]
+    s.append(fp8.DelayedScale(fp8.E5M2))
+    dn = (((1,), (0,)), ((), ()))
+    loss = lambda x, w, *s: jnp.sum(fp8.fp8_dot_general_delayed(x, w, dn, *s))
+    _, _, xs, ws, gs = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, w, *s)
+    assert xs.amax_history[0] == 3.0 and ws.amax_history[0] == 0.5  # new states
+    assert gs.amax_history[0] == 1.0  # the cotangent of a sum
+    ```
+    """
     out_dtype = jnp.dtype(lhs.dtype)
     op = functools.partial(
         lax.dot_general,

@@ -9,7 +9,9 @@ and its hand-cast twin where `benchlib.models` has one (fp32: the plain float32 
 bf16, fp16: `hand_gpt_loss`, mixed precision placed by hand, jmp/mpx style; fp8: the
 same with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand; unit_fp32: the
 unit-scaled model's own float32 loss; unit_bf16, unit_fp16, unit_fp8: the unit-scaled
-model with its casts written by hand, `benchlib.unit_twin`). scalify_fp8 has none.
+model with its casts written by hand, `benchlib.unit_twin`). scalify_fp8 and
+fp8_delayed (`recipe=gpt_fp8_delayed`: the fp8 policy, the Linear layers' FP8
+scaled from the amax history of earlier steps) have none.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ RECIPES = {
     "bf16": "gpt_bf16",
     "fp16": "gpt_fp16",
     "fp8": "gpt_fp8",
+    "fp8_delayed": "gpt_fp8_delayed",
     "scalify_fp8": "gpt_scalify_fp8",
     "unit_fp32": "gpt_unit_fp32",
     "unit_bf16": "gpt_unit_bf16",
@@ -51,6 +54,7 @@ PEAK_DTYPE = {
     "bf16": "bf16",
     "fp16": "fp16",
     "fp8": "fp8",
+    "fp8_delayed": "fp8",
     "scalify_fp8": "fp8",
     "unit_fp32": "tf32",
     "unit_bf16": "bf16",
