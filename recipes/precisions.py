@@ -105,7 +105,8 @@ class DelayedLinear(eqx.Module):
     scales, one history per layer.
 
     The first step quantizes with scale 1 (no history yet), as Transformer Engine's
-    does.
+    does. Under `lowtrain.amp` the product comes back in the policy's compute dtype,
+    as the `fp8` policy's own FP8 matmuls do.
     """
 
     kernel: Float[Array, "*stack in out"]
@@ -126,10 +127,11 @@ class DelayedLinear(eqx.Module):
 
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
         dn = (((x.ndim - 1,), (0,)), ((), ()))
-        y = fp8.fp8_dot_general_delayed(
-            x, self.kernel, dn, self.x_scale, self.w_scale, self.g_scale
-        )
-        return y if self.bias is None else y + jnp.broadcast_to(self.bias, y.shape)
+        scales = (self.x_scale, self.w_scale, self.g_scale)
+        y = fp8.fp8_dot_general_delayed(x, self.kernel, dn, *scales)
+        if self.bias is None:
+            return y
+        return y + jnp.broadcast_to(self.bias.astype(y.dtype), y.shape)
 
 
 class DelayedLinears(Precision):

@@ -18,8 +18,8 @@ builds it (`scripts/benchlib/throughput.py`) and its compiled step is timed:
   `benchlib.unit_twin`; no twin for scalify_fp8 and fp8_delayed) in the same
   process; each round's 5 steps queue one after another as in training (both steps
   compiled by `lowtrain.train.async_filter_jit`, so the host dispatches the next
-  while the device runs one) and are timed together: the median over rounds of the time per
-  step; `lowtrain / hand` is their ratio;
+  while the device runs one) and are timed together: the median over rounds of the
+  time per step; `lowtrain / hand` is their ratio;
 - tokens/s; MFU: model FLOPs (6 x parameters x tokens + attention) per second over
   the device's dense peak for the precision's matmul dtype (H100 SXM, H200, A100;
   "unknown" elsewhere, e.g. on a CPU);

@@ -21,68 +21,55 @@ from .helpers import gpt_batches, tiny_gpt
 from .test_recipes import TINY_GPT, make_config
 
 
-def _fp8_cast_inputs(jaxpr, deps=None) -> list[tuple[str, frozenset]]:
+def _fp8_cast_inputs(jaxpr) -> list[tuple[str, frozenset]]:
     """For each cast to an FP8 dtype in `jaxpr` (sub-jaxprs included): the dtype, and
-    the primitives its operand was computed with (data flow followed into and out of
-    the calls whose sub-jaxpr takes the equation's operands in order: jit, custom
-    VJP/JVP calls, remat, scan)."""
-    if isinstance(jaxpr, ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
+    the primitives its operand was computed with."""
+    return _flow(jaxpr, None)[1]
+
+
+def _flow(jaxpr, deps) -> tuple[list[frozenset], list[tuple[str, frozenset]]]:
+    """`(for each output, the primitives it was computed with; the FP8 casts as
+    `_fp8_cast_inputs` lists them)`, given those of the inputs (`deps`). Data flow is
+    followed into and out of each sub-jaxpr that takes its equation's operands in
+    order (jit, custom VJP/JVP calls, remat, scan); into any other, everything flows
+    to everything."""
+    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     env = dict(zip(jaxpr.invars, deps or [frozenset()] * len(jaxpr.invars)))
     read = lambda v: frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
-    found = []
+    casts = []
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         flowing = frozenset().union(*ins)
-        subs = [
-            s
-            for v in eqn.params.values()
-            for s in (v if isinstance(v, tuple | list) else (v,))
-            if isinstance(s, ClosedJaxpr | Jaxpr)
-        ]
         outs = [flowing | {eqn.primitive.name}] * len(eqn.outvars)
-        for sub in subs:
+        for sub in _subs(eqn):
             inner = sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub
-            if len(inner.invars) == len(ins):  # operands in order: follow them
-                found += _fp8_cast_inputs(sub, ins)
-                out_deps = _out_deps(sub, ins)
-                if len(out_deps) == len(eqn.outvars):
-                    outs = out_deps
-            else:  # anything may flow anywhere
-                found += _fp8_cast_inputs(sub, [flowing] * len(inner.invars))
+            aligned = len(inner.invars) == len(ins)
+            sub_outs, sub_casts = _flow(sub, ins if aligned else [flowing] * len(ins))
+            casts += sub_casts
+            if aligned and len(sub_outs) == len(eqn.outvars):
+                outs = sub_outs
+            else:
+                outs = [o.union(*sub_outs) for o in outs]
         new = str(eqn.params.get("new_dtype", ""))
         if eqn.primitive.name == "convert_element_type" and "float8" in new:
-            found.append((new, flowing))
+            casts.append((new, flowing))
         env.update(zip(eqn.outvars, outs))
-    return found
+    return [read(v) for v in jaxpr.outvars], casts
 
 
-def _out_deps(jaxpr, deps) -> list[frozenset]:
-    if isinstance(jaxpr, ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    env = dict(zip(jaxpr.invars, deps))
-    read = lambda v: frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
-    for eqn in jaxpr.eqns:
-        flowing = frozenset().union(*(read(v) for v in eqn.invars))
-        subs = [
-            frozenset(e.primitive.name for e in _all_eqns(s))
-            for v in eqn.params.values()
-            for s in (v if isinstance(v, tuple | list) else (v,))
-            if isinstance(s, ClosedJaxpr | Jaxpr)
-        ]
-        flowing = flowing.union({eqn.primitive.name}, *subs)
-        env.update(dict.fromkeys(eqn.outvars, flowing))
-    return [read(v) for v in jaxpr.outvars]
+def _subs(eqn):
+    for v in eqn.params.values():
+        for s in v if isinstance(v, tuple | list) else (v,):
+            if isinstance(s, ClosedJaxpr | Jaxpr):
+                yield s
 
 
 def _all_eqns(jaxpr):
     jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     for eqn in jaxpr.eqns:
         yield eqn
-        for v in eqn.params.values():
-            for s in v if isinstance(v, tuple | list) else (v,):
-                if isinstance(s, ClosedJaxpr | Jaxpr):
-                    yield from _all_eqns(s)
+        for s in _subs(eqn):
+            yield from _all_eqns(s)
 
 
 def test_delayed_linears_swap_every_linear_with_a_history_per_layer(getkey):
@@ -229,3 +216,48 @@ def test_gpt_fp8_delayed_run_resumes_its_scaling_state_exactly(tmp_path):
     assert last[0]["step"] == last[1]["step"] == 12
     assert last[0]["loss"] == last[1]["loss"]
     assert (tmp_path / "run" / "sample.txt").read_text()
+
+
+def test_fp8_delayed_places_dtypes_as_fp8_does(getkey):
+    # Only the scaling differs: every FP8 matmul (a custom-VJP call) returns the same
+    # dtype and shape under both, bf16 (the compute dtype), so what runs between
+    # them does too (a float32 product would double the activations' traffic).
+    model = tiny_gpt(getkey(), n_layer=1)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+
+    def products(precision):
+        m = precision.cast_params(model)
+        jaxpr = jax.make_jaxpr(lambda m: precision.wrap_model(m)(tokens))(m)
+        calls = [e for e in _all_eqns(jaxpr) if e.primitive.name == "custom_vjp_call"]
+        return [str(e.outvars[0].aval) for e in calls]
+
+    current, delayed = (
+        products(precisions.amp("fp8")),
+        products(precisions.delayed_fp8()),
+    )
+    # amp's own call (the float32 logits), then 4 projections, 2 einsums, the head.
+    assert delayed == current and len(current) == 8
+    assert current[0] == "float32[2,8,16]"
+    assert all(p.startswith("bfloat16") for p in current[1:])
+
+
+def test_amp_gives_delayed_fp8_products_the_compute_dtype(getkey):
+    # `amp` recognises `fp8.fp8_dot_general_delayed` (a jit of its own name) and
+    # returns its product in the policy's compute dtype, as its "fp8" policy does for
+    # current scaling; inside `amp_stop`, as written (the input's dtype).
+    layer = fp8.Fp8Linear(16, 4, delayed=True, key=getkey())
+    x = jax.random.normal(getkey(), (8, 16))
+
+    def product_dtypes(fn, policy):
+        jaxpr = jax.make_jaxpr(lowtrain.amp(fn, policy))(layer, x)
+        names = [
+            (e.params["name"], str(e.outvars[0].aval.dtype))
+            for e in _all_eqns(jaxpr)
+            if e.primitive.name == "jit"
+        ]
+        return [d for n, d in names if n.startswith("lowtrain_fp8_dot_general_delayed")]
+
+    assert product_dtypes(lambda m, x: m(x), "bf16") == ["bfloat16"]
+    assert product_dtypes(lambda m, x: m(x), "fp16") == ["float16"]
+    assert product_dtypes(lowtrain.amp_stop(lambda m, x: m(x)), "bf16") == ["float32"]
+    assert layer(x).dtype == jnp.float32  # outside amp: the input's dtype

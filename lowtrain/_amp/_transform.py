@@ -15,6 +15,7 @@ from .. import fp8
 from .._attention import attention_config, dot_product_attention
 from .._compat import COMBINER_PRIMITIVES
 from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
+from ..fp8._dot import delayed_dot_config
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
 
@@ -93,6 +94,9 @@ class _AmpInterpreter(Interpreter):
         return eqn.bind(*args, **params)
 
     def higher_order(self, eqn: Eqn, *invals) -> list:
+        delayed = delayed_dot_config(eqn)
+        if delayed is not None:
+            return [self._fp8_delayed(eqn, delayed, *invals)]
         found = attention_config(eqn)
         if found is None:
             return super().higher_order(eqn, *invals)
@@ -146,6 +150,25 @@ class _AmpInterpreter(Interpreter):
         params = dict(eqn.params)
         params.pop("preferred_element_type")
         return fp8.fp8_conv_general_dilated(lhs, rhs, out_dtype=out, **params)
+
+    def _fp8_delayed(self, eqn: Eqn, config, lhs, rhs, *state):
+        # `lowtrain.fp8.fp8_dot_general_delayed`: called again on the operands as
+        # they come (as `_fp8` calls `fp8_dot_general`), its scales' state as traced
+        # (float32), returning the dtype the policy gives a matmul; inside
+        # `amp_stop` (a "keep" scope) as written.
+        action = self.policy.action("dot_general", eqn.scopes)
+        if action == KEEP:
+            return eqn.bind(
+                *[_cast(v, a.dtype) for v, a in zip((lhs, rhs, *state), eqn.in_avals)]
+            )[0]
+        dn, treedef = config
+        state = [_cast(v, a.dtype) for v, a in zip(state, eqn.in_avals[2:])]
+        if action in (COMPUTE, FP8):
+            out = self.policy.compute_dtype
+        else:
+            out = self._target(action, [lhs, rhs], eqn.weak[:2])
+        scales = jax.tree.unflatten(treedef, state)
+        return fp8.fp8_dot_general_delayed(lhs, rhs, dn, *scales, out_dtype=out)
 
     def _target(self, action, invals, weak):
         floats = [v.dtype for v in invals if _is_float(v.dtype)]

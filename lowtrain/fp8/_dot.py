@@ -12,7 +12,15 @@ from jaxtyping import Array
 
 from .._scopes import AMP_STOP_SCOPE
 from ._formats import E4M3, E5M2
-from ._quantize import amax, current_scale, dequantize, from_bits, quantize, to_bits
+from ._quantize import (
+    DelayedScale,
+    amax,
+    current_scale,
+    dequantize,
+    from_bits,
+    quantize,
+    to_bits,
+)
 
 F32 = jnp.float32
 
@@ -194,14 +202,25 @@ def fp8_conv_general_dilated(
     return _fp8_op(op, lhs, rhs, out_dtype, margin)
 
 
-def fp8_dot_general_delayed(lhs, rhs, dimension_numbers, lhs_scale, rhs_scale, g_scale):
+def fp8_dot_general_delayed(
+    lhs: Array,
+    rhs: Array,
+    dimension_numbers,
+    lhs_scale: DelayedScale,
+    rhs_scale: DelayedScale,
+    g_scale: DelayedScale,
+    *,
+    out_dtype=None,
+) -> Array:
     """`fp8_dot_general` with delayed scaling.
 
     Each tensor is quantized with the scale of its `DelayedScale` (`lhs_scale`,
     `rhs_scale`: E4M3; `g_scale`, the output cotangent's: E5M2), so no cast waits for
     its own tensor's amax, and the "gradients" returned for the three `DelayedScale`
     arguments are their updated states (overwrite with gradient; see `Fp8Linear`,
-    `pop_scales`). The result is in `lhs.dtype`.
+    `pop_scales`). The result is in `out_dtype` (default: `lhs.dtype`); under
+    `lowtrain.amp` in the policy's compute dtype, as the "fp8" policy returns its
+    FP8 matmuls' (the op is a jit `amp` recognises by its name).
 
     ```python
     import jax
@@ -218,7 +237,42 @@ def fp8_dot_general_delayed(lhs, rhs, dimension_numbers, lhs_scale, rhs_scale, g
     assert gs.amax_history[0] == 1.0  # the cotangent of a sum
     ```
     """
-    out_dtype = jnp.dtype(lhs.dtype)
+    scales = (lhs_scale, rhs_scale, g_scale)
+    # Hashable, whatever sequences they came as: ((lc, rc), (lb, rb)) of int tuples.
+    dn = tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), out_dtype)
+    return _delayed_op(dn, dtypes, jax.tree.structure(scales))(lhs, rhs, scales)
+
+
+# `fp8_dot_general_delayed` runs as a jit with a name of its own per configuration
+# (dimension numbers, dtypes, the scales' structure and static fields, none of which
+# is in the equation's parameters): `amp` finds it in a jaxpr by that name, as
+# it finds `lowtrain.dot_product_attention`.
+_DELAYED_NAME = "lowtrain_fp8_dot_general_delayed_"
+_DELAYED: dict[str, tuple] = {}
+
+
+def delayed_dot_config(eqn) -> tuple | None:
+    """For an equation (a `lowtrain._eqn.Eqn`) of `fp8_dot_general_delayed` as called:
+    `(dimension_numbers, the scales' treedef)`; None for any other. (JAX's autodiff
+    splits a jit into jits of the same name, with other signatures: the call takes
+    `lhs`, `rhs` and the scales' leaves, and returns the product.)"""
+    if eqn.primitive.name != "jit":
+        return None
+    config = _DELAYED.get(eqn.params.get("name", ""))
+    if config is None:
+        return None
+    dn, treedef = config
+    n_in = 2 + treedef.num_leaves
+    if len(eqn.in_avals) != n_in or len(eqn.out_avals) != 1:
+        return None
+    return config
+
+
+@functools.cache
+def _delayed_op(dimension_numbers, dtypes, treedef):
+    lhs_dtype, rhs_dtype, out_dtype = dtypes
     op = functools.partial(
         lax.dot_general,
         dimension_numbers=dimension_numbers,
@@ -227,30 +281,31 @@ def fp8_dot_general_delayed(lhs, rhs, dimension_numbers, lhs_scale, rhs_scale, g
 
     @jax.custom_vjp
     @_exact
-    def run(lhs, rhs, ls, rs, gs):
-        return fwd(lhs, rhs, ls, rs, gs)[0]
+    def run(lhs, rhs, scales):
+        return fwd(lhs, rhs, scales)[0]
 
     @_exact
-    def fwd(lhs, rhs, ls, rs, gs):
+    def fwd(lhs, rhs, scales):
+        ls, rs, gs = scales
         ql, qr = quantize(lhs, E4M3, ls.scale), quantize(rhs, E4M3, rs.scale)
         out = _scaled_out(ql, ls.scale, qr, rs.scale, op, dimension_numbers, out_dtype)
-        new_ls, new_rs = ls.update(amax(lhs)), rs.update(amax(rhs))
-        return out, (to_bits(ql), to_bits(qr), ls.scale, rs.scale, new_ls, new_rs, gs)
+        new = (ls.update(amax(lhs)), rs.update(amax(rhs)))
+        return out, (to_bits(ql), to_bits(qr), ls.scale, rs.scale, new, gs)
 
     @_exact
     def bwd(res, g):
-        bl, br, sl, sr, new_ls, new_rs, gs = res
+        bl, br, sl, sr, (new_ls, new_rs), gs = res
         ql, qr = from_bits(bl, E4M3), from_bits(br, E4M3)
         dl, dr = _scaled_grads(
             g, gs.scale, ql, sl, qr, sr, op, dimension_numbers, out_dtype
         )
-        return (
-            dl.astype(lhs.dtype),
-            dr.astype(rhs.dtype),
-            new_ls,
-            new_rs,
-            gs.update(amax(g)),
-        )
+        new_gs = gs.update(amax(g))
+        return dl.astype(lhs_dtype), dr.astype(rhs_dtype), (new_ls, new_rs, new_gs)
 
+    def call(lhs, rhs, scales):
+        return run(lhs, rhs, scales)
+
+    call.__name__ = call.__qualname__ = f"{_DELAYED_NAME}{len(_DELAYED)}"
+    _DELAYED[call.__name__] = (dimension_numbers, treedef)
     run.defvjp(fwd, bwd)
-    return run(lhs, rhs, lhs_scale, rhs_scale, g_scale)
+    return jax.jit(call)
