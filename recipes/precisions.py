@@ -29,7 +29,7 @@ from lowtrain.unit_scaling import MATMULS, fp8_cast_rules, keep_scopes
 from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op  # noqa: F401 (the rule)
 
 from ._config import LossScale
-from ._layers import Linear
+from ._layers import Linear, _add_bias
 
 
 def scalify_fp8_op(op, lhs: Array, rhs: Array) -> Array:
@@ -128,10 +128,9 @@ class DelayedLinear(eqx.Module):
     def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
         dn = (((x.ndim - 1,), (0,)), ((), ()))
         scales = (self.x_scale, self.w_scale, self.g_scale)
-        y = fp8.fp8_dot_general_delayed(x, self.kernel, dn, *scales)
-        if self.bias is None:
-            return y
-        return y + jnp.broadcast_to(self.bias.astype(y.dtype), y.shape)
+        return _add_bias(
+            fp8.fp8_dot_general_delayed(x, self.kernel, dn, *scales), self.bias
+        )
 
 
 class DelayedLinears(Precision):

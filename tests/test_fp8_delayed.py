@@ -17,7 +17,7 @@ from lowtrain import fp8
 from lowtrain.recipes import _common, _run, gpt, mnist, precisions
 from lowtrain.recipes.precisions import DelayedLinear, DelayedLinears
 
-from .helpers import gpt_batches, tiny_gpt
+from .helpers import gpt_batches, iter_eqns, tiny_gpt
 from .test_recipes import TINY_GPT, make_config
 
 
@@ -62,14 +62,6 @@ def _subs(eqn):
         for s in v if isinstance(v, tuple | list) else (v,):
             if isinstance(s, ClosedJaxpr | Jaxpr):
                 yield s
-
-
-def _all_eqns(jaxpr):
-    jaxpr = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for s in _subs(eqn):
-            yield from _all_eqns(s)
 
 
 def test_delayed_linears_swap_every_linear_with_a_history_per_layer(getkey):
@@ -228,7 +220,7 @@ def test_fp8_delayed_places_dtypes_as_fp8_does(getkey):
     def products(precision):
         m = precision.cast_params(model)
         jaxpr = jax.make_jaxpr(lambda m: precision.wrap_model(m)(tokens))(m)
-        calls = [e for e in _all_eqns(jaxpr) if e.primitive.name == "custom_vjp_call"]
+        calls = [e for e in iter_eqns(jaxpr) if e.primitive.name == "custom_vjp_call"]
         return [str(e.outvars[0].aval) for e in calls]
 
     current, delayed = (
@@ -252,7 +244,7 @@ def test_amp_gives_delayed_fp8_products_the_compute_dtype(getkey):
         jaxpr = jax.make_jaxpr(lowtrain.amp(fn, policy))(layer, x)
         names = [
             (e.params["name"], str(e.outvars[0].aval.dtype))
-            for e in _all_eqns(jaxpr)
+            for e in iter_eqns(jaxpr)
             if e.primitive.name == "jit"
         ]
         return [d for n, d in names if n.startswith("lowtrain_fp8_dot_general_delayed")]
