@@ -18,6 +18,12 @@ import jax
 # for inputs that get no cotangent.
 from jax._src.ad_util import Zero as _Zero
 
+# JAX 0.10 and 0.11: `jax.custom_batching.custom_vmap` binds `custom_vmap_call`, whose
+# primitive `jax.extend` does not expose; its body `call` is a `ClosedJaxpr` in 0.10
+# and an open `Jaxpr` in 0.11, constants passed as arguments in both
+# (`custom_vmap_body`).
+from jax._src.custom_batching import custom_vmap_p as custom_vmap_p
+
 # JAX 0.10 and 0.11: a name stack is a tuple of `Scope` (from `jax.named_scope`) and
 # `Transform` (jvp, transpose, ...) entries; the name stack of an equation inside a
 # sub-jaxpr is relative to the equation that holds it.
@@ -104,6 +110,7 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
             "symbolic_zeros",
         }
     ),
+    "custom_vmap_call": frozenset({"call", "rule", "in_tree", "out_tree"}),
 }
 USED_PARAMS: dict[str, frozenset[str]] = {
     "jit": frozenset(
@@ -117,6 +124,7 @@ USED_PARAMS: dict[str, frozenset[str]] = {
     "custom_vjp_call": frozenset(
         {"call_jaxpr", "fwd_jaxpr_thunk", "bwd", "out_trees", "num_consts"}
     ),
+    "custom_vmap_call": frozenset({"call"}),
 }
 
 
@@ -187,6 +195,13 @@ def short_type(aval) -> str:
     # JAX 0.10.2 and 0.11.2: `ShapedArray.str_short(short_dtypes=True)`, a
     # method of JAX's internal `core.ShapedArray`.
     return aval.str_short(short_dtypes=True)
+
+
+def custom_vmap_body(params: dict[str, Any]) -> ClosedJaxpr:
+    """The body of a `custom_vmap_call`, closed (see the import above)."""
+    call = params["call"]
+    # JAX 0.10: a `ClosedJaxpr`; JAX 0.11: a `Jaxpr` with no constants of its own.
+    return call if isinstance(call, ClosedJaxpr) else ClosedJaxpr(call, ())
 
 
 def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple:

@@ -1,10 +1,11 @@
 """The interpreter core's rules for JAX's higher-order primitives.
 
-`jit` (inlined), `scan`, `while`, `cond`, `remat`, `custom_jvp_call` and
-`custom_vjp_call` hold sub-jaxprs. Each rule here evaluates those with the same
-interpreter and rebuilds the op through JAX's public API (`lax.scan`,
-`jax.checkpoint`, `jax.custom_vjp`, ...), so sub-programs are transformed, not bound
-unchanged, and a custom derivative stays custom: its rule is itself interpreted.
+`jit` (inlined), `scan`, `while`, `cond`, `remat`, `custom_jvp_call`,
+`custom_vjp_call` and `custom_vmap_call` (inlined) hold sub-jaxprs. Each rule here
+evaluates those with the same interpreter and rebuilds the op through JAX's public
+API (`lax.scan`, `jax.checkpoint`, `jax.custom_vjp`, ...), so sub-programs are
+transformed, not bound unchanged, and a custom derivative stays custom: its rule is
+itself interpreted.
 
 A rule is `rule(interp, eqn, *invals) -> list of outvals`, where `interp` is the
 `lowtrain._interpret.Interpreter` evaluating the enclosing jaxpr. `RULES` is the
@@ -226,6 +227,16 @@ def _instantiate(cts, avals):
     ]
 
 
+def _custom_vmap_rule(interp, eqn: Eqn, *args):
+    # `jax.custom_batching.custom_vmap`, not under `jax.vmap` (which applies the rule
+    # as it traces): its body, inlined. The custom batching rule is not kept (it is
+    # written for the body as traced, and a transform may change its dtypes), so
+    # `jax.vmap` goes inside a transformed function, not around it.
+    return interp.eval_jaxpr(
+        _compat.custom_vmap_body(eqn.params), args, eqn.scopes, memo=eqn.memo
+    )
+
+
 # Maps each higher-order primitive to its rule (see the module docstring).
 RULES = {
     _compat.jit_p: _jit_rule,
@@ -235,4 +246,5 @@ RULES = {
     _compat.cond_p: _cond_rule,
     _compat.custom_jvp_call_p: _custom_jvp_rule,
     _compat.custom_vjp_call_p: _custom_vjp_rule,
+    _compat.custom_vmap_p: _custom_vmap_rule,
 }

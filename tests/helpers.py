@@ -79,10 +79,20 @@ def _sin(x):
 _sin.defvjp(lambda x: (jnp.sin(x), x), lambda r, c: (c * jnp.cos(r),))
 
 
+@jax.custom_batching.custom_vmap
+def _sin_vmap(x):
+    return jnp.sin(x)
+
+
+@_sin_vmap.def_vmap
+def _(axis_size, in_batched, x):
+    return jnp.sin(x), in_batched[0]
+
+
 def higher_order_program(x):
-    """One of each higher-order primitive lowtrain handles: jit, custom_vjp (and
-    custom_jvp, through relu), scan, cond, while, remat."""
-    y = jax.jit(jnp.sin)(x)
+    """One of each higher-order primitive lowtrain handles: jit, custom_vmap,
+    custom_vjp (and custom_jvp, through relu), scan, cond, while, remat."""
+    y = _sin_vmap(jax.jit(jnp.sin)(x))
     y = _sin(jax.nn.relu(y))
     y, _ = lax.scan(lambda c, _: (c * 2.0, None), y, None, length=2)
     y = lax.cond(jnp.sum(y) > 0, lambda a: a, lambda a: -a, y)

@@ -369,6 +369,86 @@ def test_delayed_scaling_recurrence(getkey):
         )
 
 
+def _state_grads(loss, layer):
+    """The gradients of `loss` for `layer`: the weights', and the new delayed-scaling
+    states (their amax histories)."""
+    g = eqx.filter_grad(loss)(layer)
+    return [g.weight, *(getattr(g, f"{n}_scale").amax_history for n in "xwg")]
+
+
+# Each takes the layer and a batch (5, 4) and returns its output (5, 3).
+_VMAPPED = {
+    "vmap": lambda m, x: jax.vmap(m)(x),
+    "jit(vmap)": lambda m, x: eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(m, x),
+    "vmap(jit)": lambda m, x: jax.vmap(eqx.filter_jit(m))(x),
+    "vmap(vmap)": lambda m, x: jax.vmap(jax.vmap(m))(x[:, None])[:, 0],
+}
+
+
+@pytest.mark.parametrize("how", sorted(_VMAPPED))
+def test_delayed_scaling_under_vmap_records_the_whole_batch(how, getkey):
+    # One state for the whole vmapped batch: the recorded amaxes are the batch's, as
+    # when the layer is called on it. (JAX's default would record each example's and
+    # sum them, the state being a cotangent.)
+    layer = fp8.Fp8Linear(4, 3, delayed=True, key=getkey())
+    x = jax.random.normal(getkey(), (5, 4)) * jnp.arange(1.0, 6.0)[:, None]
+    on_batch = _state_grads(lambda m: jnp.sum(m(x) ** 3), layer)
+    vmapped = _state_grads(lambda m: jnp.sum(_VMAPPED[how](m, x) ** 3), layer)
+    for a, b in zip(vmapped, on_batch):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    assert float(vmapped[1][0]) == float(jnp.max(jnp.abs(x)))
+
+
+def test_delayed_scaling_of_a_vmapped_stack_keeps_one_state_per_layer(getkey):
+    # A stack of layers (states batched with them), each on its own input: each
+    # state records its own layer's tensors, as when each layer is called alone.
+    keys = jax.random.split(getkey(), 2)
+    stack = eqx.filter_vmap(lambda k: fp8.Fp8Linear(4, 3, delayed=True, key=k))(keys)
+    xs = jax.random.normal(getkey(), (2, 5, 4)) * jnp.array([1.0, 7.0])[:, None, None]
+    call = eqx.filter_vmap(lambda m, x: m(x))
+    stacked = _state_grads(lambda s: jnp.sum(call(s, xs) ** 3), stack)
+    for i, x in enumerate(xs):
+        layer = jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, stack)
+        alone = _state_grads(lambda m, x=x: jnp.sum(m(x) ** 3), layer)
+        for a, b in zip(stacked, alone):
+            np.testing.assert_allclose(a[i], b, rtol=1e-6)
+
+
+def test_delayed_scaling_under_vmap_inside_amp(getkey):
+    # JAX batches the layer's op before `amp` sees it, so it runs as written (its
+    # product in float32 from amp's bf16 inputs); the states are still the whole
+    # batch's, in float32.
+    layer = fp8.Fp8Linear(4, 3, delayed=True, key=getkey())
+    x = jax.random.normal(getkey(), (5, 4)) * 3.0
+    loss = lambda m, x: jnp.sum(jax.vmap(m)(x) ** 3)
+    _, xs, ws, gs = _state_grads(lambda m: lowtrain.amp(loss, "bf16")(m, x), layer)
+    xb = x.astype(jnp.bfloat16).astype(jnp.float32)  # `amp` casts inputs on entry
+    wb = layer.weight.astype(jnp.bfloat16).astype(jnp.float32)
+    layer_b = eqx.tree_at(lambda m: m.weight, layer, wb)
+    ref = _state_grads(lambda m: jnp.sum(m(xb) ** 3), layer_b)  # on the batch
+    # The output cotangent is amp's backward pass's (float32, ops as amp places
+    # them): equal to 1e-4. Summed over the examples, it would be about 5x.
+    for a, b, rtol in zip((xs, ws, gs), ref[1:], (1e-6, 1e-6, 1e-3)):
+        assert a.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=rtol)
+
+
+def test_delayed_scaling_under_vmap_around_amp(getkey):
+    # `amp` binds the amax records (inside `amp_stop`) as written, forward and in the
+    # backward pass it interprets, so a `jax.vmap` around it still records the whole
+    # batch's (the output cotangent's too: inlined, JAX would sum the examples').
+    model = lowtrain.amp(fp8.Fp8Linear(4, 3, delayed=True, key=getkey()), "bf16")
+    x = jax.random.normal(getkey(), (5, 4)) * jnp.arange(1.0, 6.0)[:, None]
+    f32 = lambda y: y.astype(jnp.float32)
+    around = eqx.filter_grad(lambda m: jnp.sum(f32(jax.vmap(m)(x)) ** 3))(model)
+    on_batch = eqx.filter_grad(lambda m: jnp.sum(f32(m(x)) ** 3))(model)
+    for n in "xwg":
+        a = getattr(around.fn, f"{n}_scale").amax_history
+        b = getattr(on_batch.fn, f"{n}_scale").amax_history
+        assert a.dtype == jnp.float32 and float(a[0]) > 0
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.gpu
 def test_fp8_gemm_on_hopper(monkeypatch):
     gpus = [d for d in jax.devices() if d.platform == "gpu"]

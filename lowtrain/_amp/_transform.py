@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import fp8
 from .._attention import attention_config, dot_product_attention
-from .._compat import COMBINER_PRIMITIVES
+from .._compat import COMBINER_PRIMITIVES, custom_vmap_p
 from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
 from ..fp8._dot import delayed_dot_config
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
@@ -94,6 +94,10 @@ class _AmpInterpreter(Interpreter):
         return eqn.bind(*args, **params)
 
     def higher_order(self, eqn: Eqn, *invals) -> list:
+        if eqn.primitive is custom_vmap_p and self._keeps(eqn):
+            # Inside `amp_stop` (as the FP8 ops' amax records are): bound as written,
+            # so its batching rule still applies under a `jax.vmap` around `amp`.
+            return self._as_written(eqn, invals)
         delayed = delayed_dot_config(eqn)
         if delayed is not None:
             return [self._fp8_delayed(eqn, delayed, *invals)]
@@ -119,9 +123,16 @@ class _AmpInterpreter(Interpreter):
 
     def unsupported(self, eqn: Eqn, *invals) -> list:
         # Inside `amp_stop` (or any "keep" scope) a higher-order op we cannot look into
-        # runs as written: inputs cast back to their traced dtypes, bound unchanged.
-        if self.policy.action(eqn.primitive.name, eqn.scopes) != KEEP:
+        # runs as written.
+        if not self._keeps(eqn):
             return super().unsupported(eqn, *invals)
+        return self._as_written(eqn, invals)
+
+    def _keeps(self, eqn: Eqn) -> bool:
+        return self.policy.action(eqn.primitive.name, eqn.scopes) == KEEP
+
+    def _as_written(self, eqn: Eqn, invals) -> list:
+        # Inputs cast back to their traced dtypes, the equation bound unchanged.
         args = [_cast(jnp.asarray(v), a.dtype) for v, a in zip(invals, eqn.in_avals)]
         return eqn.bind(*args)
 

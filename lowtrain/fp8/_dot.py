@@ -220,7 +220,10 @@ def fp8_dot_general_delayed(
     arguments are their updated states (overwrite with gradient; see `Fp8Linear`,
     `pop_scales`). The result is in `out_dtype` (default: `lhs.dtype`); under
     `lowtrain.amp` in the policy's compute dtype, as the "fp8" policy returns its
-    FP8 matmuls' (the op is a jit `amp` recognises by its name).
+    FP8 matmuls' (the op is a jit `amp` recognises by its name; under a `jax.vmap`
+    inside `amp`, JAX has batched that jit before `amp` sees it, and it runs as
+    written). Under `jax.vmap`, a state shared by the batch records the amax of the
+    whole batch, as a call on the batch does; a batched state, one per member.
 
     ```python
     import jax
@@ -242,13 +245,17 @@ def fp8_dot_general_delayed(
     dn = tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), out_dtype)
-    return _delayed_op(dn, dtypes, jax.tree.structure(scales))(lhs, rhs, scales)
+    # The rank of every input: under `jax.vmap` JAX batches the jit into one of the
+    # same name whose inputs have more axes (`delayed_dot_config` tells them apart).
+    ranks = tuple(jnp.ndim(a) for a in jax.tree.leaves((lhs, rhs, scales)))
+    treedef = jax.tree.structure(scales)
+    return _delayed_op(dn, dtypes, treedef, ranks)(lhs, rhs, scales)
 
 
 # `fp8_dot_general_delayed` runs as a jit with a name of its own per configuration
 # (dimension numbers, dtypes, the scales' structure and static fields, none of which
-# is in the equation's parameters): `amp` finds it in a jaxpr by that name, as
-# it finds `lowtrain.dot_product_attention`.
+# is in the equation's parameters, and the inputs' ranks): `amp` finds it in a jaxpr
+# by that name, as it finds `lowtrain.dot_product_attention`.
 _DELAYED_NAME = "lowtrain_fp8_dot_general_delayed_"
 _DELAYED: dict[str, tuple] = {}
 
@@ -256,22 +263,47 @@ _DELAYED: dict[str, tuple] = {}
 def delayed_dot_config(eqn) -> tuple | None:
     """For an equation (a `lowtrain._eqn.Eqn`) of `fp8_dot_general_delayed` as called:
     `(dimension_numbers, the scales' treedef)`; None for any other. (JAX's autodiff
-    splits a jit into jits of the same name, with other signatures: the call takes
-    `lhs`, `rhs` and the scales' leaves, and returns the product.)"""
+    splits a jit into jits of the same name, with other signatures, and `jax.vmap`
+    batches it into one with more axes: the call takes `lhs`, `rhs` and the scales'
+    leaves, with the ranks it was made for, and returns the product.)"""
     if eqn.primitive.name != "jit":
         return None
     config = _DELAYED.get(eqn.params.get("name", ""))
     if config is None:
         return None
-    dn, treedef = config
-    n_in = 2 + treedef.num_leaves
-    if len(eqn.in_avals) != n_in or len(eqn.out_avals) != 1:
+    dn, treedef, ranks = config
+    if len(eqn.out_avals) != 1 or tuple(a.ndim for a in eqn.in_avals) != ranks:
         return None
-    return config
+    return dn, treedef
+
+
+@jax.custom_batching.custom_vmap
+def _record(state: DelayedScale, x: Array) -> DelayedScale:
+    """`state` with the amax of `x` recorded. Under `jax.vmap` with one state for
+    the whole batch, the amax is over the whole batch, as when the op is called on it
+    (JAX's default would record each example's and sum them: the state comes back as
+    a cotangent, and the cotangent of an unbatched input is summed over the batch)."""
+    return state.update(amax(x))
+
+
+@_record.def_vmap
+def _record_vmap(axis_size, in_batched, state, x):
+    state_batched, _ = in_batched
+    if not any(jax.tree.leaves(state_batched)):
+        return _record(state, x), jax.tree.map(lambda _: False, state)
+    # One state per member (a vmapped stack of layers): each records its own tensor.
+    state = jax.tree.map(
+        lambda a, b: a if b else jnp.broadcast_to(a, (axis_size, *a.shape)),
+        state,
+        state_batched,
+    )
+    x_axis = 0 if in_batched[1] else None
+    new = jax.vmap(lambda s, t: s.update(amax(t)), in_axes=(0, x_axis))(state, x)
+    return new, jax.tree.map(lambda _: True, new)
 
 
 @functools.cache
-def _delayed_op(dimension_numbers, dtypes, treedef):
+def _delayed_op(dimension_numbers, dtypes, treedef, ranks):
     lhs_dtype, rhs_dtype, out_dtype = dtypes
     op = functools.partial(
         lax.dot_general,
@@ -279,17 +311,22 @@ def _delayed_op(dimension_numbers, dtypes, treedef):
         preferred_element_type=out_dtype,
     )
 
-    @jax.custom_vjp
     @_exact
+    def product(lhs, rhs, scales):
+        ls, rs, _ = scales
+        ql, qr = quantize(lhs, E4M3, ls.scale), quantize(rhs, E4M3, rs.scale)
+        out = _scaled_out(ql, ls.scale, qr, rs.scale, op, dimension_numbers, out_dtype)
+        return out, ql, qr
+
+    @jax.custom_vjp
     def run(lhs, rhs, scales):
-        return fwd(lhs, rhs, scales)[0]
+        return product(lhs, rhs, scales)[0]
 
     @_exact
     def fwd(lhs, rhs, scales):
         ls, rs, gs = scales
-        ql, qr = quantize(lhs, E4M3, ls.scale), quantize(rhs, E4M3, rs.scale)
-        out = _scaled_out(ql, ls.scale, qr, rs.scale, op, dimension_numbers, out_dtype)
-        new = (ls.update(amax(lhs)), rs.update(amax(rhs)))
+        out, ql, qr = product(lhs, rhs, scales)
+        new = (_record(ls, lhs), _record(rs, rhs))
         return out, (to_bits(ql), to_bits(qr), ls.scale, rs.scale, new, gs)
 
     @_exact
@@ -299,13 +336,13 @@ def _delayed_op(dimension_numbers, dtypes, treedef):
         dl, dr = _scaled_grads(
             g, gs.scale, ql, sl, qr, sr, op, dimension_numbers, out_dtype
         )
-        new_gs = gs.update(amax(g))
+        new_gs = _record(gs, g)
         return dl.astype(lhs_dtype), dr.astype(rhs_dtype), (new_ls, new_rs, new_gs)
 
     def call(lhs, rhs, scales):
         return run(lhs, rhs, scales)
 
     call.__name__ = call.__qualname__ = f"{_DELAYED_NAME}{len(_DELAYED)}"
-    _DELAYED[call.__name__] = (dimension_numbers, treedef)
+    _DELAYED[call.__name__] = (dimension_numbers, treedef, ranks)
     run.defvjp(fwd, bwd)
     return jax.jit(call)

@@ -18,15 +18,18 @@ from ._quantize import DelayedScale
 class Fp8Linear(eqx.Module):
     """`eqx.nn.Linear`, with its matmul in FP8 (E4M3 forward, E5M2 backward).
 
-    Call it on a whole batch, `x` of shape `(..., in_features)`: scales are per tensor,
-    so do not `jax.vmap` it. With `delayed=False` (the default) each step scales every
-    tensor by its own amax (current scaling, stateless). With `delayed=True` the layer
-    holds a `DelayedScale` for its input, weight and output gradient, and quantizes
-    with the scale computed from the last `history` steps' amaxes. That state is
-    updated in the backward pass and comes back *as the gradient* of those fields
-    (Flax's "overwrite with gradient"): take it out of the gradients before the
-    optimizer sees them with `pop_scales` and put it into the updated model with
-    `put_scales` (`lowtrain.Trainer` does both).
+    Scales are per tensor: call it on a whole batch, `x` of shape
+    `(..., in_features)`, for one scale per batch. With `delayed=False` (the default)
+    each step scales every tensor by its own amax (current scaling, stateless; under
+    `jax.vmap`, each example by its own). With `delayed=True` the layer holds a
+    `DelayedScale` for its input, weight and output gradient, and quantizes with the
+    scale computed from the last `history` steps' amaxes. That state is updated in the
+    backward pass and comes back *as the gradient* of those fields (Flax's "overwrite
+    with gradient"): take it out of the gradients before the optimizer sees them with
+    `pop_scales` and put it into the updated model with `put_scales`
+    (`lowtrain.Trainer` does both). Under `jax.vmap` over the batch the state records
+    the whole batch's amaxes, as a call on the batch does (a vmapped stack of layers
+    keeps one state per layer).
 
     ```python
     import equinox as eqx

@@ -117,6 +117,8 @@ class _TrackInterpreter(Interpreter):
             sub = _compat.ClosedJaxpr(p["jaxpr"], ())
         elif prim is _compat.jit_p:
             sub = p["jaxpr"]
+        elif prim is _compat.custom_vmap_p:  # its body (not under `jax.vmap` here)
+            sub = _compat.custom_vmap_body(p)
         else:  # custom_jvp_call, custom_vjp_call: the primal function as written
             sub = p["call_jaxpr"]
         with self._sub(eqn):  # same trace: statistics at the end, with the rest
