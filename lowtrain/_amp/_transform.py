@@ -169,9 +169,7 @@ class _AmpInterpreter(Interpreter):
         # `amp_stop` (a "keep" scope) as written.
         action = self.policy.action("dot_general", eqn.scopes)
         if action == KEEP:
-            return eqn.bind(
-                *[_cast(v, a.dtype) for v, a in zip((lhs, rhs, *state), eqn.in_avals)]
-            )[0]
+            return self._as_written(eqn, (lhs, rhs, *state))[0]
         dn, treedef = config
         state = [_cast(v, a.dtype) for v, a in zip(state, eqn.in_avals[2:])]
         if action in (COMPUTE, FP8):

@@ -277,13 +277,15 @@ def delayed_dot_config(eqn) -> tuple | None:
     return dn, treedef
 
 
-@jax.custom_batching.custom_vmap
-def _record(state: DelayedScale, x: Array) -> DelayedScale:
-    """`state` with the amax of `x` recorded. Under `jax.vmap` with one state for
-    the whole batch, the amax is over the whole batch, as when the op is called on it
-    (JAX's default would record each example's and sum them: the state comes back as
-    a cotangent, and the cotangent of an unbatched input is summed over the batch)."""
+def _recorded(state: DelayedScale, x: Array) -> DelayedScale:
     return state.update(amax(x))
+
+
+# `state` with the amax of `x` recorded. Under `jax.vmap` with one state for the
+# whole batch, the amax is over the whole batch, as when the op is called on it (JAX's
+# default would record each example's and sum them: the state comes back as a
+# cotangent, and the cotangent of an unbatched input is summed over the batch).
+_record = jax.custom_batching.custom_vmap(_recorded)
 
 
 @_record.def_vmap
@@ -298,7 +300,7 @@ def _record_vmap(axis_size, in_batched, state, x):
         state_batched,
     )
     x_axis = 0 if in_batched[1] else None
-    new = jax.vmap(lambda s, t: s.update(amax(t)), in_axes=(0, x_axis))(state, x)
+    new = jax.vmap(_recorded, in_axes=(0, x_axis))(state, x)
     return new, jax.tree.map(lambda _: True, new)
 
 
