@@ -223,7 +223,8 @@ def fp8_dot_general_delayed(
     FP8 matmuls' (the op is a jit `amp` recognises by its name; under a `jax.vmap`
     inside `amp`, JAX has batched that jit before `amp` sees it, and it runs as
     written). Under `jax.vmap`, a state shared by the batch records the amax of the
-    whole batch, as a call on the batch does; a batched state, one per member.
+    whole batch, as a call on the batch does; a batched state, one per member. Use
+    each state in one call per step: the states of several calls come back summed.
 
     ```python
     import jax

@@ -29,7 +29,10 @@ class Fp8Linear(eqx.Module):
     `pop_scales` and put it into the updated model with `put_scales`
     (`lowtrain.Trainer` does both). Under `jax.vmap` over the batch the state records
     the whole batch's amaxes, as a call on the batch does (a vmapped stack of layers
-    keeps one state per layer).
+    keeps one state per layer). Call a delayed layer once per step: the states of
+    several calls (the layer applied twice, or closed over by a `lax.scan` body) come
+    back summed, as gradients of a shared weight do, which no state decodes; give
+    each use its own layer, or use current scaling there.
 
     ```python
     import equinox as eqx
