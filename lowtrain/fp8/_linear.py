@@ -31,8 +31,8 @@ class Fp8Linear(eqx.Module):
     the whole batch's amaxes, as a call on the batch does (a vmapped stack of layers
     keeps one state per layer). Call a delayed layer once per step: the states of
     several calls (the layer applied twice, or closed over by a `lax.scan` body) come
-    back summed, as gradients of a shared weight do, which no state decodes; give
-    each use its own layer, or use current scaling there.
+    back added together, as a shared weight's gradients do, and their sum is not a
+    valid history; give each use its own layer, or use current scaling there.
 
     ```python
     import equinox as eqx
