@@ -98,8 +98,8 @@ class DelayedLinear(eqx.Module):
     E4M3, the output cotangent to E5M2, each with the scale of its
     `lowtrain.fp8.DelayedScale` (the largest amax of the last `history` steps), so no
     cast waits for the amax of its own tensor (`lowtrain.fp8.fp8_dot_general_delayed`;
-    the new amax histories come back as the "gradients" of the scales, which
-    `lowtrain.train.DelayedFp8` writes into the model after the update). Made from a
+    the step's amaxes come back as the "gradients" of the scales, by which
+    `lowtrain.train.DelayedFp8` advances them after the update). Made from a
     `Linear` by `DelayedLinears`, with the same `kernel` and `bias`; a stacked
     `Linear` (the GPT's blocks, `kernel` of shape `(layers, in, out)`) gets stacked
     scales, one history per layer.

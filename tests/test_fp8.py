@@ -349,7 +349,7 @@ def test_delayed_scaling_recurrence(getkey):
     def step(layer, opt_state, x):
         loss = lambda m: jnp.sum(m(x) ** 2)
         grads = eqx.filter_grad(loss)(layer)
-        grads, scales = fp8.pop_scales(grads)
+        grads, scales = fp8.pop_scales(grads, layer)
         updates, opt_state = opt.update(grads, opt_state)
         return fp8.put_scales(eqx.apply_updates(layer, updates), scales), opt_state
 
@@ -367,6 +367,138 @@ def test_delayed_scaling_recurrence(getkey):
         np.testing.assert_allclose(
             state.scale, max(expected) / fp8.fp8_max(fmt), rtol=1e-6
         )
+
+
+def _with_history(layer, history):
+    """`layer` with every delayed-scaling state's history set to `history` (and the
+    scale that history gives), as after earlier steps."""
+    for name in ("x_scale", "w_scale", "g_scale"):
+        s = getattr(layer, name)
+        h = jnp.asarray(history, jnp.float32)
+        s = eqx.tree_at(lambda s: s.amax_history, s, h)
+        s = eqx.tree_at(lambda s: s.scale, s, fp8.compute_scale(jnp.max(h), s.dtype))
+        layer = eqx.tree_at(lambda m, n=name: getattr(m, n), layer, s)
+    return layer
+
+
+def _expected_state(old, amax_sum):
+    history = [amax_sum, *old.amax_history[:-1].tolist()]
+    return history, fp8.compute_scale(max(history), old.dtype)
+
+
+def _amax(x):
+    return float(jnp.max(jnp.abs(x)))
+
+
+def test_delayed_layer_called_twice_records_the_sum_of_its_amaxes(getkey):
+    # A shared layer's records add up, as its weight's gradients do: the new amax is
+    # the sum of the calls' (at least their max, so no overflow), and the older
+    # entries stay as they were (summed states had doubled them every step).
+    layer = _with_history(
+        fp8.Fp8Linear(4, 3, use_bias=False, delayed=True, history=3, key=getkey()),
+        [3.0, 2.0, 1.0],
+    )
+    x1, x2 = (
+        jax.random.normal(getkey(), (2, 5, 4)) * jnp.array([2.0, 5.0])[:, None, None]
+    )
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(x1) ** 2) + jnp.sum(m(x2) ** 2))(layer)
+    grads, scales = fp8.pop_scales(grads, layer)
+    assert grads.x_scale.scale == 0 and not grads.x_scale.amax_history.any()
+    sums = {
+        "x": _amax(x1) + _amax(x2),
+        "w": 2 * _amax(layer.weight),
+        "g": _amax(2 * layer(x1)) + _amax(2 * layer(x2)),  # d(sum y^2)/dy
+    }
+    for n, total in sums.items():
+        new, old = getattr(scales, f"{n}_scale"), getattr(layer, f"{n}_scale")
+        history, scale = _expected_state(old, total)
+        np.testing.assert_allclose(new.amax_history, history, rtol=1e-6)
+        np.testing.assert_allclose(new.scale, scale, rtol=1e-6)
+
+
+def test_delayed_layer_closed_over_by_scan_records_its_calls(getkey):
+    # An RNN-style use: the layer is a constant of the `lax.scan` body, so JAX sums
+    # its records over the iterations (the transpose of a loop constant).
+    steps = 4
+    layer = _with_history(
+        fp8.Fp8Linear(4, 4, delayed=True, history=2, key=getkey()), [7.0, 0.5]
+    )
+    xs = (
+        jax.random.normal(getkey(), (steps, 3, 4)) * jnp.arange(1.0, 5.0)[:, None, None]
+    )
+
+    def loss(m):
+        ys = jax.lax.scan(lambda c, x: (c, m(x)), None, xs)[1]
+        return jnp.sum(ys**2)
+
+    _, scales = fp8.pop_scales(eqx.filter_grad(loss)(layer), layer)
+    sums = {
+        "x": sum(_amax(x) for x in xs),
+        "w": steps * _amax(layer.weight),
+        "g": sum(_amax(2 * layer(x)) for x in xs),
+    }
+    for n, total in sums.items():
+        new, old = getattr(scales, f"{n}_scale"), getattr(layer, f"{n}_scale")
+        history, scale = _expected_state(old, total)
+        np.testing.assert_allclose(new.amax_history, history, rtol=1e-5)
+        np.testing.assert_allclose(new.scale, scale, rtol=1e-5)
+        # At most `steps` times the largest call's amax: a safe (large) scale.
+        assert total <= steps * max(history[1:] + [total / steps]) * (1 + 1e-6)
+
+
+def test_delayed_layer_not_called_in_a_step_keeps_its_state(getkey):
+    # The branch not taken gives its layer zero cotangents: no call, no record. (As
+    # the new state itself, zeros had set its scale to 0, and its next call to NaN.)
+    a, b = (
+        _with_history(fp8.Fp8Linear(4, 3, delayed=True, history=3, key=k), [4.0, 1, 2])
+        for k in (getkey(), getkey())
+    )
+    x = jax.random.normal(getkey(), (5, 4))
+    loss = lambda ab, x: jnp.sum(
+        jax.lax.cond(jnp.sum(x) > 1e9, lambda: ab[0](x), lambda: ab[1](x)) ** 2
+    )
+    grads, scales = fp8.pop_scales(eqx.filter_grad(loss)((a, b), x), (a, b))
+    new_a, new_b = fp8.put_scales((a, b), scales)
+    for n in ("x_scale", "w_scale", "g_scale"):
+        for f in ("amax_history", "scale"):
+            before = getattr(getattr(a, n), f)
+            np.testing.assert_array_equal(getattr(getattr(new_a, n), f), before)
+    assert new_b.x_scale.amax_history[0] == _amax(x)
+    y, g = jax.value_and_grad(lambda m: jnp.sum(m(x) ** 2))(new_a)
+    assert np.isfinite(y) and all(np.isfinite(v).all() for v in jax.tree.leaves(g))
+
+
+def test_pop_scales_needs_the_model_the_gradients_are_of(getkey):
+    layer = fp8.Fp8Linear(4, 3, delayed=True, key=getkey())
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones((2, 4)))))(layer)
+    with pytest.raises(ValueError, match="the model the gradients were taken of"):
+        fp8.pop_scales(grads, eqx.nn.Linear(4, 3, key=getkey()))
+    plain = eqx.tree_at(lambda m: m.x_scale, layer, jnp.zeros(16))
+    with pytest.raises(ValueError, match="with a `DelayedScale` where they have one"):
+        fp8.pop_scales(grads, plain)
+
+
+def test_trainer_keeps_weight_decay_off_delayed_scaling_state(getkey):
+    # Weight decay updates every parameter, the states' leaves too; the Trainer
+    # zeroes those updates, so each history holds the batches' amaxes exactly. (sgd
+    # with decoupled decay, as adamw's: adam's step count fails strict promotion.)
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+    layer = fp8.Fp8Linear(4, 1, delayed=True, history=4, key=getkey())
+    decay = optax.chain(optax.add_decayed_weights(0.5), optax.sgd(1e-2))
+    trainer = Fit(layer, decay)
+    state = trainer.init(key=getkey())
+    xs = [jax.random.normal(getkey(), (8, 4)) * (i + 1) for i in range(3)]
+    for x in xs:
+        state, _ = trainer.train_step(
+            state, {"x": x, "y": jnp.sum(x, 1, keepdims=True)}
+        )
+    history = state.model.x_scale.amax_history
+    np.testing.assert_array_equal(history, [*[_amax(x) for x in xs[::-1]], 0.0])
+    expected = fp8.compute_scale(_amax(xs[-1]), fp8.E4M3)
+    np.testing.assert_allclose(state.model.x_scale.scale, expected, rtol=1e-6)
 
 
 def _state_grads(loss, layer):

@@ -168,7 +168,7 @@ def test_amp_leaves_delayed_scaling_state_in_float32(policy, getkey):
     x = jax.random.normal(getkey(), (8, 16)) * 3.3
     loss = lambda m: jnp.sum(lowtrain.amp(m, policy)(x) ** 2)
     grads = eqx.filter_grad(loss)(layer)
-    _, scales = fp8.pop_scales(grads)
+    _, scales = fp8.pop_scales(grads, layer)
     for s in (scales.x_scale, scales.w_scale, scales.g_scale):
         assert s.scale.dtype == s.amax_history.dtype == jnp.float32
         expected = fp8.compute_scale(jnp.max(s.amax_history), s.dtype)

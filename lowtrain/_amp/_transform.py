@@ -238,8 +238,8 @@ def _cast_floats(leaves, dtype, keep=()):
 def _scaling_state(tree) -> list[bool]:
     """For each array leaf of `tree`: whether it is FP8 delayed-scaling state (a leaf
     of a `lowtrain.fp8.DelayedScale`). That state enters `amp` as it is stored,
-    float32: its new value comes back as its cotangent, which a cast on entry would
-    round to the compute dtype."""
+    float32: the step's record of it comes back as its cotangent, which a cast on
+    entry would round to the compute dtype."""
     is_state = lambda x: isinstance(x, fp8.DelayedScale)
     marks = jax.tree.map(
         lambda x: jax.tree.map(lambda _: True, x) if is_state(x) else False,

@@ -19,6 +19,7 @@ from ._quantize import (
     dequantize,
     from_bits,
     quantize,
+    record,
     to_bits,
 )
 
@@ -216,15 +217,16 @@ def fp8_dot_general_delayed(
 
     Each tensor is quantized with the scale of its `DelayedScale` (`lhs_scale`,
     `rhs_scale`: E4M3; `g_scale`, the output cotangent's: E5M2), so no cast waits for
-    its own tensor's amax, and the "gradients" returned for the three `DelayedScale`
-    arguments are their updated states (overwrite with gradient; see `Fp8Linear`,
-    `pop_scales`). The result is in `out_dtype` (default: `lhs.dtype`); under
-    `lowtrain.amp` in the policy's compute dtype, as the "fp8" policy returns its
-    FP8 matmuls' (the op is a jit `amp` recognises by its name; under a `jax.vmap`
-    inside `amp`, JAX has batched that jit before `amp` sees it, and it runs as
-    written). Under `jax.vmap`, a state shared by the batch records the amax of the
-    whole batch, as a call on the batch does; a batched state, one per member. Use
-    each state in one call per step: the states of several calls come back summed.
+    its own tensor's amax. The "gradient" returned for each `DelayedScale` is the
+    call's record: the tensor's amax in `amax_history[0]` (zeros after it) and 1 in
+    `scale`, the number of calls. The records of several calls add up, as a shared
+    weight's gradients do; `pop_scales(grads, model)` turns their sum into the new
+    states (see `Fp8Linear`). The result is in `out_dtype` (default: `lhs.dtype`);
+    under `lowtrain.amp` in the policy's compute dtype, as the "fp8" policy returns
+    its FP8 matmuls' (the op is a jit `amp` recognises by its name; under a
+    `jax.vmap` inside `amp`, JAX has batched that jit before `amp` sees it, and it
+    runs as written). Under `jax.vmap`, a state shared by the batch records the amax
+    of the whole batch, as a call on the batch does; a batched state, one per member.
 
     ```python
     import jax
@@ -237,8 +239,8 @@ def fp8_dot_general_delayed(
     dn = (((1,), (0,)), ((), ()))
     loss = lambda x, w, *s: jnp.sum(fp8.fp8_dot_general_delayed(x, w, dn, *s))
     _, _, xs, ws, gs = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x, w, *s)
-    assert xs.amax_history[0] == 3.0 and ws.amax_history[0] == 0.5  # new states
-    assert gs.amax_history[0] == 1.0  # the cotangent of a sum
+    assert xs.amax_history[0] == 3.0 and ws.amax_history[0] == 0.5  # the amaxes
+    assert gs.amax_history[0] == 1.0 and gs.scale == 1.0  # a sum's cotangent; 1 call
     ```
     """
     scales = (lhs_scale, rhs_scale, g_scale)
@@ -279,13 +281,14 @@ def delayed_dot_config(eqn) -> tuple | None:
 
 
 def _recorded(state: DelayedScale, x: Array) -> DelayedScale:
-    return state.update(amax(x))
+    return record(state, amax(x))
 
 
-# `state` with the amax of `x` recorded. Under `jax.vmap` with one state for the
-# whole batch, the amax is over the whole batch, as when the op is called on it (JAX's
-# default would record each example's and sum them: the state comes back as a
-# cotangent, and the cotangent of an unbatched input is summed over the batch).
+# The call's record of `x`'s amax for `state` (`lowtrain.fp8._quantize.record`).
+# Under `jax.vmap` with one state for the whole batch, the amax is over the whole
+# batch, as when the op is called on it (JAX's default would record each example's
+# and sum them: the record comes back as a cotangent, and the cotangent of an
+# unbatched input is summed over the batch).
 _record = jax.custom_batching.custom_vmap(_recorded)
 
 
@@ -329,18 +332,19 @@ def _delayed_op(dimension_numbers, dtypes, treedef, ranks):
     def fwd(lhs, rhs, scales):
         ls, rs, gs = scales
         out, ql, qr = product(lhs, rhs, scales)
-        new = (_record(ls, lhs), _record(rs, rhs))
-        return out, (to_bits(ql), to_bits(qr), ls.scale, rs.scale, new, gs)
+        records = (_record(ls, lhs), _record(rs, rhs))
+        return out, (to_bits(ql), to_bits(qr), ls.scale, rs.scale, records, gs)
 
     @_exact
     def bwd(res, g):
-        bl, br, sl, sr, (new_ls, new_rs), gs = res
+        bl, br, sl, sr, (rec_l, rec_r), gs = res
         ql, qr = from_bits(bl, E4M3), from_bits(br, E4M3)
         dl, dr = _scaled_grads(
             g, gs.scale, ql, sl, qr, sr, op, dimension_numbers, out_dtype
         )
-        new_gs = _record(gs, g)
-        return dl.astype(lhs_dtype), dr.astype(rhs_dtype), (new_ls, new_rs, new_gs)
+        # The "gradients" of the scales are this call's records (see `record`).
+        records = (rec_l, rec_r, _record(gs, g))
+        return dl.astype(lhs_dtype), dr.astype(rhs_dtype), records
 
     def call(lhs, rhs, scales):
         return run(lhs, rhs, scales)

@@ -12,7 +12,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._dot import fp8_dot_general, fp8_dot_general_delayed
 from ._formats import E4M3, E5M2
-from ._quantize import DelayedScale
+from ._quantize import DelayedScale, advance
 
 
 class Fp8Linear(eqx.Module):
@@ -23,16 +23,18 @@ class Fp8Linear(eqx.Module):
     each step scales every tensor by its own amax (current scaling, stateless; under
     `jax.vmap`, each example by its own). With `delayed=True` the layer holds a
     `DelayedScale` for its input, weight and output gradient, and quantizes with the
-    scale computed from the last `history` steps' amaxes. That state is updated in the
-    backward pass and comes back *as the gradient* of those fields (Flax's "overwrite
-    with gradient"): take it out of the gradients before the optimizer sees them with
-    `pop_scales` and put it into the updated model with `put_scales`
-    (`lowtrain.Trainer` does both). Under `jax.vmap` over the batch the state records
-    the whole batch's amaxes, as a call on the batch does (a vmapped stack of layers
-    keeps one state per layer). Call a delayed layer once per step: the states of
-    several calls (the layer applied twice, or closed over by a `lax.scan` body) come
-    back added together, as a shared weight's gradients do, and their sum is not a
-    valid history; give each use its own layer, or use current scaling there.
+    scale computed from the last `history` steps' amaxes. What a step records for
+    that state comes back *as the gradient* of those fields (Flax's "overwrite with
+    gradient"): `pop_scales(grads, layer)` takes it out of the gradients before the
+    optimizer sees them and returns the new state, which `put_scales` writes into
+    the updated model (`lowtrain.Trainer` does both). Under `jax.vmap` over the batch
+    the state records the whole batch's amaxes, as a call on the batch does (a
+    vmapped stack of layers keeps one state per layer). A layer called several times
+    in a step (applied twice, or closed over by a `lax.scan` body) records the sum of
+    its calls' amaxes, at most `k` times their largest for `k` calls: the scale is
+    never too small (nothing overflows), but can be up to `k` times too large, which
+    loses up to `log2(k)` powers of two at the small end (give each use its own
+    layer where that matters). A layer not called in a step keeps its state.
 
     ```python
     import equinox as eqx
@@ -46,7 +48,7 @@ class Fp8Linear(eqx.Module):
     opt = optax.sgd(0.1)
     opt_state = opt.init(eqx.filter(layer, eqx.is_inexact_array))
     grads = eqx.filter_grad(lambda m: jnp.sum(m(x) ** 2))(layer)
-    grads, scales = fp8.pop_scales(grads)  # the new delayed-scaling state
+    grads, scales = fp8.pop_scales(grads, layer)  # the new delayed-scaling state
     updates, opt_state = opt.update(grads, opt_state)
     layer = fp8.put_scales(eqx.apply_updates(layer, updates), scales)
     assert layer.x_scale.amax_history[0] == 1.0
@@ -116,12 +118,54 @@ def _is_scale(x) -> bool:
     return isinstance(x, DelayedScale)
 
 
-def pop_scales(grads: PyTree) -> tuple[PyTree, PyTree]:
-    """Split gradients into (gradients with zeros for the delayed-scaling state, the
-    new delayed-scaling state).
+def split_records(grads: PyTree) -> tuple[PyTree, PyTree]:
+    """(`grads` with zeros for the `DelayedScale`s, their records: the step's calls'
+    amaxes and counts, summed; None elsewhere). See `pop_scales`."""
+    zero = lambda s: jax.tree.map(jnp.zeros_like, s) if _is_scale(s) else s
+    keep = lambda s: s if _is_scale(s) else None
+    return (
+        jax.tree.map(zero, grads, is_leaf=_is_scale),
+        jax.tree.map(keep, grads, is_leaf=_is_scale),
+    )
 
-    The zeros keep the optimizer (and gradient clipping, norms, finiteness checks)
-    from seeing the state; `put_scales` writes it into the updated model.
+
+def advanced_scales(model: PyTree, records: PyTree) -> PyTree:
+    """The new `DelayedScale`s of `model` after a step that left `records` (from
+    `split_records`; None elsewhere)."""
+
+    is_leaf = lambda x: x is None or _is_scale(x)
+    leaves, treedef = jax.tree.flatten(records, is_leaf=is_leaf)
+    try:
+        states = treedef.flatten_up_to(model)
+    except ValueError as e:
+        raise ValueError(
+            "Expected `model` to be the model the gradients were taken of (the same "
+            f"structure), got a {type(model).__name__} that differs (see above). "
+            "Pass the model as it was called in the step."
+        ) from e
+    new = []
+    for r, m in zip(leaves, states):
+        if r is not None and not _is_scale(m):
+            raise ValueError(
+                "Expected `model` to be the model the gradients were taken of, with a "
+                f"`DelayedScale` where they have one; got {type(m).__name__} there. "
+                "Pass the model as it was called in the step."
+            )
+        new.append(None if r is None else advance(m, r))
+    return jax.tree.unflatten(treedef, new)
+
+
+def pop_scales(grads: PyTree, model: PyTree) -> tuple[PyTree, PyTree]:
+    """Split the gradients of `model` into (the gradients with zeros for its
+    delayed-scaling state, its new delayed-scaling state).
+
+    The "gradient" of a `DelayedScale` is what the step's calls recorded (see
+    `fp8_dot_general_delayed`): the sum of their amaxes and their number. Each new
+    state is the state in `model` updated with that sum (the amax itself for one
+    call; at most `k` times the largest for `k` calls, so never too small a scale),
+    or the state unchanged if nothing called it in the step. The zeros keep the
+    optimizer (and gradient clipping, norms, finiteness checks) from seeing the
+    state; `put_scales` writes the new one into the updated model.
 
     ```python
     import equinox as eqx
@@ -131,18 +175,14 @@ def pop_scales(grads: PyTree) -> tuple[PyTree, PyTree]:
 
     layer = fp8.Fp8Linear(2, 2, delayed=True, key=jax.random.key(0))
     grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(layer)
-    grads, scales = fp8.pop_scales(grads)
+    grads, scales = fp8.pop_scales(grads, layer)
     assert not grads.x_scale.amax_history.any()  # zeros for the optimizer
     assert scales.x_scale.amax_history[0] == 1.0  # the new state
     assert fp8.put_scales(layer, scales).x_scale.amax_history[0] == 1.0
     ```
     """
-    zero = lambda s: jax.tree.map(jnp.zeros_like, s) if _is_scale(s) else s
-    keep = lambda s: s if _is_scale(s) else None
-    return (
-        jax.tree.map(zero, grads, is_leaf=_is_scale),
-        jax.tree.map(keep, grads, is_leaf=_is_scale),
-    )
+    grads, records = split_records(grads)
+    return grads, advanced_scales(model, records)
 
 
 def put_scales(model: PyTree, scales: PyTree) -> PyTree:
@@ -157,7 +197,7 @@ def put_scales(model: PyTree, scales: PyTree) -> PyTree:
 
     layer = fp8.Fp8Linear(2, 2, delayed=True, key=jax.random.key(0))
     grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.full((1, 2), 3.0))))(layer)
-    layer = fp8.put_scales(layer, fp8.pop_scales(grads)[1])
+    layer = fp8.put_scales(layer, fp8.pop_scales(grads, layer)[1])
     assert layer.x_scale.amax_history[0] == 3.0
     ```
     """

@@ -154,14 +154,15 @@ class DelayedScale(eqx.Module):
         self.pow2 = pow2
 
     def update(self, amax_now: ArrayLike) -> DelayedScale:
-        """The state after a step whose tensor had amax `amax_now`."""
+        """The state after a step whose tensor had amax `amax_now`. (A stack of
+        states, `amax_history` of shape `(*stack, H)`, takes one amax per state.)"""
         amax_now = jnp.asarray(amax_now, F32)
         # An overflowed step's inf/NaN amax is recorded as 0 (ignored), so it cannot
         # block the window for `history` steps.
         amax_now = jnp.where(jnp.isfinite(amax_now), amax_now, 0.0)
-        history = jnp.roll(self.amax_history, 1).at[0].set(amax_now)
+        history = jnp.roll(self.amax_history, 1, axis=-1).at[..., 0].set(amax_now)
         scale = compute_scale(
-            jnp.max(history),
+            jnp.max(history, axis=-1),
             self.dtype,
             margin=self.margin,
             pow2=self.pow2,
@@ -169,6 +170,41 @@ class DelayedScale(eqx.Module):
         )
         new = eqx.tree_at(lambda s: s.amax_history, self, history)
         return eqx.tree_at(lambda s: s.scale, new, scale)
+
+
+# Delayed scaling's "overwrite with gradient", made to add up. A delayed-scaling op
+# returns, as the cotangent of each `DelayedScale` it used, a *record* of the call
+# (`amax_history[0]`: the tensor's amax, zeros after it; `scale`: 1, the call). JAX
+# adds the cotangents of an input used several times (a layer applied twice, or
+# closed over by a `lax.scan` body), so the records of all of a step's calls arrive
+# as their sum; no call leaves zeros. `advance` turns that sum into the new state.
+
+
+def record(state: DelayedScale, amax_now: ArrayLike) -> DelayedScale:
+    """One call's record for `state` (see above): `amax_now` (non-finite as 0) and a
+    count of 1, in `state`'s shape and static fields."""
+    amax_now = jnp.asarray(amax_now, F32)
+    amax_now = jnp.where(jnp.isfinite(amax_now), amax_now, 0.0)
+    history = jnp.zeros_like(state.amax_history).at[..., 0].set(amax_now)
+    new = eqx.tree_at(lambda s: s.amax_history, state, history)
+    return eqx.tree_at(lambda s: s.scale, new, jnp.ones_like(state.scale))
+
+
+def advance(state: DelayedScale, records: DelayedScale) -> DelayedScale:
+    """`state` after a step whose calls left `records` (their sum): updated with the
+    sum of the calls' amaxes, which is their amax for one call and at most `k` times
+    it for `k` calls (so never too small a scale); unchanged where nothing called it.
+    Works on stacks of states, elementwise."""
+    calls = records.scale
+    new = state.update(records.amax_history[..., 0])
+    return eqx.tree_at(
+        lambda s: (s.amax_history, s.scale),
+        state,
+        (
+            jnp.where(calls[..., None] > 0, new.amax_history, state.amax_history),
+            jnp.where(calls > 0, new.scale, state.scale),
+        ),
+    )
 
 
 def to_bits(q: Array) -> Array:

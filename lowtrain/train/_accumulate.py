@@ -83,8 +83,9 @@ def accumulated_value_and_grad(
       divided by K (the mean: K micro-batches of B / K give the update of one batch
       of B), cast to each gradient's dtype; `loss` and float `aux` leaves are means
       over the micro-batches (other `aux` leaves: the last micro-batch's);
-    - `extra` (FP8 delayed-scaling state) is the elementwise maximum over the
-      micro-batches: a history records the amax of the whole batch, as with K=1;
+    - `extra` (FP8 delayed scaling's records: amaxes and call counts) is the
+      elementwise maximum over the micro-batches: a state records the amax of the
+      whole batch, as with K=1;
     - `finite` is one decision for the step: False if any micro-batch's gradients
       are not all finite; the loss scale is adjusted once, by it; `redo_on_nan`
       redoes all K micro-batches at the backed-off scale.

@@ -14,6 +14,7 @@ from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
 from .._loss_scale import DynamicLossScale, NoOpLossScale, _LossScale
 from .._rewrite import Rule, rewrite
+from ..fp8._linear import advanced_scales, split_records
 from ..unit_scaling import constraints, unit_scale
 from ._precision import Precision, as_precision
 
@@ -139,29 +140,41 @@ class Scalify(Precision):
 
 
 class DelayedFp8(Precision):
-    """FP8 delayed scaling (`lowtrain.fp8.Fp8Linear(delayed=True)`): the new
-    amax histories come back as the "gradients" of the model's `DelayedScale`s; they
-    are taken out before the optimizer (`fp8.pop_scales`: zeros in their place, so
-    clipping, norms and finiteness checks never see them) and written into the
-    updated model exactly (`fp8.put_scales`). A model without `DelayedScale`s is
-    left alone, so the Trainer adds this to every policy it is given by name.
+    """FP8 delayed scaling (`lowtrain.fp8.Fp8Linear(delayed=True)`): what the step's
+    calls recorded (their amaxes, see `fp8.pop_scales`) comes back as the
+    "gradients" of the model's `DelayedScale`s. It is taken out before the optimizer
+    (zeros in its place, so clipping, norms and finiteness checks never see it), the
+    optimizer's updates of the states are zeroed (weight decay would shrink them),
+    and after the update each state advances by its records (`merge`; written into
+    the model exactly, as `fp8.put_scales`). A model without `DelayedScale`s is left
+    alone, so the Trainer adds this to every policy it is given by name.
 
     ```python
+    import equinox as eqx
     import jax
+    import jax.numpy as jnp
     import lowtrain.fp8 as fp8
     from lowtrain.train import DelayedFp8
 
     layer = fp8.Fp8Linear(2, 2, delayed=True, key=jax.random.key(0))
-    grads, scales = DelayedFp8().split_gradients(layer)
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.full((1, 2), 3.0))))(layer)
+    grads, records = DelayedFp8().split_gradients(grads)
     assert not grads.x_scale.amax_history.any()
+    assert DelayedFp8().merge(layer, records).x_scale.amax_history[0] == 3.0
     ```
     """
 
     def split_gradients(self, grads):
-        return fp8.pop_scales(grads)
+        return split_records(grads)
+
+    def from_optimizer(self, updates, params):
+        is_state = lambda u: isinstance(u, fp8.DelayedScale)
+        zero = lambda u: jax.tree.map(jnp.zeros_like, u) if is_state(u) else u
+        return jax.tree.map(zero, updates, is_leaf=is_state)
 
     def merge(self, model, extra):
-        return fp8.put_scales(model, extra)
+        # `model`'s states are the step's: their updates were zeroed.
+        return fp8.put_scales(model, advanced_scales(model, extra))
 
 
 class Rewrite(Precision):
