@@ -442,8 +442,6 @@ def test_delayed_layer_closed_over_by_scan_records_its_calls(getkey):
         history, scale = _expected_state(old, total)
         np.testing.assert_allclose(new.amax_history, history, rtol=1e-5)
         np.testing.assert_allclose(new.scale, scale, rtol=1e-5)
-        # At most `steps` times the largest call's amax: a safe (large) scale.
-        assert total <= steps * max(history[1:] + [total / steps]) * (1 + 1e-6)
 
 
 def test_delayed_layer_not_called_in_a_step_keeps_its_state(getkey):

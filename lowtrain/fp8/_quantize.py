@@ -117,6 +117,13 @@ def current_scale(
     return compute_scale(amax(x), dtype, margin=margin, pow2=pow2)
 
 
+def _finite_amax(amax_now: ArrayLike) -> Array:
+    # An overflowed step's inf/NaN amax is recorded as 0 (ignored), so it cannot
+    # block the window for `history` steps.
+    amax_now = jnp.asarray(amax_now, F32)
+    return jnp.where(jnp.isfinite(amax_now), amax_now, 0.0)
+
+
 class DelayedScale(eqx.Module):
     """Delayed scaling (Transformer Engine / Flax style) for one tensor.
 
@@ -156,10 +163,7 @@ class DelayedScale(eqx.Module):
     def update(self, amax_now: ArrayLike) -> DelayedScale:
         """The state after a step whose tensor had amax `amax_now`. (A stack of
         states, `amax_history` of shape `(*stack, H)`, takes one amax per state.)"""
-        amax_now = jnp.asarray(amax_now, F32)
-        # An overflowed step's inf/NaN amax is recorded as 0 (ignored), so it cannot
-        # block the window for `history` steps.
-        amax_now = jnp.where(jnp.isfinite(amax_now), amax_now, 0.0)
+        amax_now = _finite_amax(amax_now)
         history = jnp.roll(self.amax_history, 1, axis=-1).at[..., 0].set(amax_now)
         scale = compute_scale(
             jnp.max(history, axis=-1),
@@ -183,8 +187,7 @@ class DelayedScale(eqx.Module):
 def record(state: DelayedScale, amax_now: ArrayLike) -> DelayedScale:
     """One call's record for `state` (see above): `amax_now` (non-finite as 0) and a
     count of 1, in `state`'s shape and static fields."""
-    amax_now = jnp.asarray(amax_now, F32)
-    amax_now = jnp.where(jnp.isfinite(amax_now), amax_now, 0.0)
+    amax_now = _finite_amax(amax_now)
     history = jnp.zeros_like(state.amax_history).at[..., 0].set(amax_now)
     new = eqx.tree_at(lambda s: s.amax_history, state, history)
     return eqx.tree_at(lambda s: s.scale, new, jnp.ones_like(state.scale))
@@ -192,9 +195,9 @@ def record(state: DelayedScale, amax_now: ArrayLike) -> DelayedScale:
 
 def advance(state: DelayedScale, records: DelayedScale) -> DelayedScale:
     """`state` after a step whose calls left `records` (their sum): updated with the
-    sum of the calls' amaxes, which is their amax for one call and at most `k` times
-    it for `k` calls (so never too small a scale); unchanged where nothing called it.
-    Works on stacks of states, elementwise."""
+    sum of the calls' amaxes (the amax itself for one call; for `k` calls at most `k`
+    times the largest, so never too small a scale), or unchanged where nothing
+    called it. Works on stacks of states, elementwise."""
     calls = records.scale
     new = state.update(records.amax_history[..., 0])
     return eqx.tree_at(
