@@ -381,9 +381,15 @@ def _with_history(layer, history):
     return layer
 
 
-def _expected_state(old, amax_sum):
-    history = [amax_sum, *old.amax_history[:-1].tolist()]
-    return history, fp8.compute_scale(max(history), old.dtype)
+def _check_advanced_by(scales, layer, sums, rtol):
+    """Each new state in `scales` is `layer`'s with `sums[name]` pushed as the newest
+    amax: the older entries as they were, the scale of the new history."""
+    for n, total in sums.items():
+        new, old = getattr(scales, f"{n}_scale"), getattr(layer, f"{n}_scale")
+        history = [total, *old.amax_history[:-1].tolist()]
+        np.testing.assert_allclose(new.amax_history, history, rtol=rtol)
+        scale = fp8.compute_scale(max(history), old.dtype)
+        np.testing.assert_allclose(new.scale, scale, rtol=rtol)
 
 
 def _amax(x):
@@ -409,11 +415,7 @@ def test_delayed_layer_called_twice_records_the_sum_of_its_amaxes(getkey):
         "w": 2 * _amax(layer.weight),
         "g": _amax(2 * layer(x1)) + _amax(2 * layer(x2)),  # d(sum y^2)/dy
     }
-    for n, total in sums.items():
-        new, old = getattr(scales, f"{n}_scale"), getattr(layer, f"{n}_scale")
-        history, scale = _expected_state(old, total)
-        np.testing.assert_allclose(new.amax_history, history, rtol=1e-6)
-        np.testing.assert_allclose(new.scale, scale, rtol=1e-6)
+    _check_advanced_by(scales, layer, sums, rtol=1e-6)
 
 
 def test_delayed_layer_closed_over_by_scan_records_its_calls(getkey):
@@ -437,11 +439,7 @@ def test_delayed_layer_closed_over_by_scan_records_its_calls(getkey):
         "w": steps * _amax(layer.weight),
         "g": sum(_amax(2 * layer(x)) for x in xs),
     }
-    for n, total in sums.items():
-        new, old = getattr(scales, f"{n}_scale"), getattr(layer, f"{n}_scale")
-        history, scale = _expected_state(old, total)
-        np.testing.assert_allclose(new.amax_history, history, rtol=1e-5)
-        np.testing.assert_allclose(new.scale, scale, rtol=1e-5)
+    _check_advanced_by(scales, layer, sums, rtol=1e-5)
 
 
 def test_delayed_layer_not_called_in_a_step_keeps_its_state(getkey):

@@ -118,21 +118,22 @@ def _is_scale(x) -> bool:
     return isinstance(x, DelayedScale)
 
 
+def zero_scales(tree: PyTree) -> PyTree:
+    """`tree` with zeros for its `DelayedScale`s' leaves."""
+    zero = lambda s: jax.tree.map(jnp.zeros_like, s) if _is_scale(s) else s
+    return jax.tree.map(zero, tree, is_leaf=_is_scale)
+
+
 def split_records(grads: PyTree) -> tuple[PyTree, PyTree]:
     """(`grads` with zeros for the `DelayedScale`s, their records: the step's calls'
     amaxes and counts, summed; None elsewhere). See `pop_scales`."""
-    zero = lambda s: jax.tree.map(jnp.zeros_like, s) if _is_scale(s) else s
     keep = lambda s: s if _is_scale(s) else None
-    return (
-        jax.tree.map(zero, grads, is_leaf=_is_scale),
-        jax.tree.map(keep, grads, is_leaf=_is_scale),
-    )
+    return zero_scales(grads), jax.tree.map(keep, grads, is_leaf=_is_scale)
 
 
 def advanced_scales(model: PyTree, records: PyTree) -> PyTree:
     """The new `DelayedScale`s of `model` after a step that left `records` (from
     `split_records`; None elsewhere)."""
-
     is_leaf = lambda x: x is None or _is_scale(x)
     leaves, treedef = jax.tree.flatten(records, is_leaf=is_leaf)
     try:

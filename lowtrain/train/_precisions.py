@@ -14,7 +14,7 @@ from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
 from .._loss_scale import DynamicLossScale, NoOpLossScale, _LossScale
 from .._rewrite import Rule, rewrite
-from ..fp8._linear import advanced_scales, split_records
+from ..fp8._linear import advanced_scales, split_records, zero_scales
 from ..unit_scaling import constraints, unit_scale
 from ._precision import Precision, as_precision
 
@@ -168,9 +168,7 @@ class DelayedFp8(Precision):
         return split_records(grads)
 
     def from_optimizer(self, updates, params):
-        is_state = lambda u: isinstance(u, fp8.DelayedScale)
-        zero = lambda u: jax.tree.map(jnp.zeros_like, u) if is_state(u) else u
-        return jax.tree.map(zero, updates, is_leaf=is_state)
+        return zero_scales(updates)
 
     def merge(self, model, extra):
         # `model`'s states are the step's: their updates were zeroed.
