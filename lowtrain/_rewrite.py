@@ -12,9 +12,25 @@ from ._eqn import Eqn, is_float
 from ._interpret import FlatCall, Interpreter
 from ._scopes import match_scope
 
-# A rewrite rule: `rule(op, *operands, **params) -> output`, where `op(*operands)` runs
-# the original primitive with its original parameters.
+# A rewrite rule: `rule(op, *operands) -> output`, where `op(*operands)` runs the
+# original primitive with its original parameters (an `Op`: `op.params` are those).
 Rule = Callable[..., Any]
+
+
+class Op:
+    """The operation a rule replaces: `op(*operands)` runs the original primitive
+    with its original parameters; `op.primitive` and `op.params` are those (a rule
+    that writes the operation another way reads them: `dimension_numbers` of a
+    `dot_general`)."""
+
+    def __init__(self, eqn: Eqn):
+        self._eqn = eqn
+        self.primitive = eqn.primitive
+        self.params = eqn.params
+
+    def __call__(self, *args):
+        out = self._eqn.bind(*args)
+        return out if self.primitive.multiple_results else out[0]
 
 
 class _RewriteInterpreter(Interpreter):
@@ -28,11 +44,7 @@ class _RewriteInterpreter(Interpreter):
         if fn is None:
             return eqn.bind(*invals)
 
-        def op(*args):
-            out = eqn.bind(*args)
-            return out if eqn.primitive.multiple_results else out[0]
-
-        out = fn(op, *invals)
+        out = fn(Op(eqn), *invals)
         return list(out) if eqn.primitive.multiple_results else [out]
 
     def join(self, types):
@@ -94,7 +106,8 @@ def rewrite(
     `fn` is traced at the types it is called with; each equation whose primitive is
     named in `rules` (`"dot_general"`, `"conv_general_dilated"`, ...) runs as
     `rules[name](op, *operands)` instead, where `op(*operands)` is the original
-    operation with its original parameters; every other equation runs as written,
+    operation with its original parameters (`op.primitive` and `op.params` name
+    them); every other equation runs as written,
     inside `jit`, `scan`, `while`, `cond`, `remat` and `custom_jvp`/`custom_vjp` too.
     A rule returns what `op` would (same shape and dtype). `scopes` maps a
     `jax.named_scope` name (or glob, matched as `lowtrain.amp`'s scope rules are:

@@ -29,6 +29,7 @@ from ._checks import at_least as _at_least
 from ._checks import positive as _positive
 from ._model_config import Attention as Attention
 from ._model_config import CNNConfig as CNNConfig
+from ._model_config import CrossEntropy as CrossEntropy
 from ._model_config import GPTConfig as GPTConfig
 from ._model_config import GPTUnitConfig as GPTUnitConfig
 from ._model_config import MLPConfig as MLPConfig
@@ -81,10 +82,14 @@ class AmpPrecisionConfig:
     # What the forward pass saves for the backward one: "all", or "half" (values in
     # the compute dtype only; float32 ones recomputed): `lowtrain.Policy(residuals=)`.
     residuals: str = "all"
+    # The fp8 policy's shape filter: a matmul whose GEMM has an M, N or K below this
+    # stays bf16, too small for FP8 to pay for its casts (0: every matmul in FP8).
+    min_dim: int = 0
 
     def __post_init__(self):
         _positive(self.init_scale, "precision.init_scale")
         _positive(self.growth_interval, "precision.growth_interval")
+        _at_least(self.min_dim, 0, "precision.min_dim")
 
 
 @dataclass
@@ -95,6 +100,10 @@ class NaiveFp8PrecisionConfig:
     weights_only: bool = False  # True: attention's activation products not in FP8
     # matmuls in these named scopes stay in `policy` (e.g. [linear_2, projection])
     keep: list[str] = field(default_factory=list)
+    min_dim: int = 0  # matmuls with an M, N or K below this stay in `policy` too
+
+    def __post_init__(self):
+        _at_least(self.min_dim, 0, "precision.min_dim")
 
 
 @dataclass
@@ -103,10 +112,12 @@ class DelayedFp8PrecisionConfig:
     _target_: str = "lowtrain.recipes.precisions.delayed_fp8"
     history: int = 16  # steps of amax history a scale is computed from
     margin: int = 0  # powers of two of headroom below the format's largest value
+    min_dim: int = 0  # matmuls with an M, N or K below this stay bf16
 
     def __post_init__(self):
         _positive(self.history, "precision.history")
         _at_least(self.margin, 0, "precision.margin")
+        _at_least(self.min_dim, 0, "precision.min_dim")
 
 
 @dataclass

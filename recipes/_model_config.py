@@ -46,6 +46,19 @@ class Attention(Enum):
     fused = "fused"
 
 
+class CrossEntropy(Enum):
+    """How `model=gpt`'s loss is computed (`model.cross_entropy`)."""
+
+    # The logits leave the model (in float32 under every precision) and the loss is
+    # `log_softmax` in float32: the recipes' results in docs/results.md.
+    float32 = "float32"
+    # The loss is computed inside the model (`GPT.__call__(..., targets=)`), so the
+    # logits stay in the compute dtype: reductions in float32 within one fusion, the
+    # gradient written in the logits' dtype, and no float32 (batch, context, vocab)
+    # tensor saved or written (`recipes.gpt.cross_entropy`). For large vocabularies.
+    lean = "lean"
+
+
 @dataclass
 class GPTConfig:
     n_layer: int = 4
@@ -60,6 +73,7 @@ class GPTConfig:
     # (GPT-2's 50257 tokens padded to 50304, a multiple of 64, for the matmuls).
     vocab_size: int | None = None
     attention: Attention = Attention.einsum
+    cross_entropy: CrossEntropy = CrossEntropy.float32
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "block_size"):
@@ -76,6 +90,14 @@ class GPTConfig:
                 "GPU)."
             )
         self.attention = Attention(self.attention)
+        names = [c.value for c in CrossEntropy]
+        if self.cross_entropy not in (*CrossEntropy, *names):
+            raise ValueError(
+                f"Expected `model.cross_entropy` in {names}, got "
+                f"{self.cross_entropy!r} instead. Use `lean` for a large vocabulary "
+                "(no float32 logits), `float32` for the recipes' results."
+            )
+        self.cross_entropy = CrossEntropy(self.cross_entropy)
         if self.attention is Attention.fused and self.dropout:
             raise ValueError(
                 f"Expected `model.dropout` 0 with `model.attention=fused` (the fused "

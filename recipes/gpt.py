@@ -30,7 +30,14 @@ import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
 
 from . import _common
-from ._config import Attention, Config, GPTConfig, GPTUnitConfig, TextDataConfig
+from ._config import (
+    Attention,
+    Config,
+    CrossEntropy,
+    GPTConfig,
+    GPTUnitConfig,
+    TextDataConfig,
+)
 from ._layers import LayerNorm, Linear, decay_mask
 from ._text_data import CharText, Crops, load_text
 
@@ -45,6 +52,38 @@ def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
         return x
     keep = jax.random.bernoulli(key, 1 - rate, x.shape)
     return jnp.where(keep, x / (1 - rate), 0)
+
+
+@jax.custom_vjp
+def cross_entropy(logits: Float[Array, "*B V"], targets: Int[Array, "*B"]) -> Array:
+    """The mean cross-entropy of `targets` under `logits`, without a float32 copy of
+    the logits: each token's logsumexp and picked logit are reduced in float32 from
+    the logits as they come (bfloat16 under `amp`), and the gradient,
+    `(softmax - onehot) / n`, is computed in float32 and written in the logits'
+    dtype within one elementwise pass. Only the logits (already the head's output)
+    and one float32 number per token are saved for the backward pass. Equal to
+    `-mean(log_softmax(logits.astype(float32))[targets])` up to float32 rounding.
+    """
+    return _cross_entropy_fwd(logits, targets)[0]
+
+
+def _cross_entropy_fwd(logits, targets):
+    wide = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(wide, axis=-1)  # (*B,)
+    picked = jnp.take_along_axis(wide, targets[..., None], -1)[..., 0]  # (*B,)
+    return jnp.mean(lse - picked), (logits, lse, targets)
+
+
+def _cross_entropy_bwd(res, g):
+    logits, lse, targets = res
+    p = jnp.exp(logits.astype(jnp.float32) - lse[..., None])  # softmax, (*B, V)
+    vocab = lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+    hit = vocab == targets[..., None]
+    grad = jnp.where(hit, p - 1.0, p) * (g / lse.size)
+    return grad.astype(logits.dtype), None
+
+
+cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def _split(key: PRNGKeyArray | None, n: int) -> list:
@@ -134,9 +173,16 @@ class GPT(eqx.Module):
         self.scan_layers, self.dropout = c.scan_layers, c.dropout
 
     def __call__(
-        self, tokens: Int[Array, "B T"], *, key: PRNGKeyArray | None = None
-    ) -> Float[Array, "B T V"]:
-        """The logits; `key` draws the dropout masks (None, or `dropout` 0: none)."""
+        self,
+        tokens: Int[Array, "B T"],
+        *,
+        key: PRNGKeyArray | None = None,
+        targets: Int[Array, "B T"] | None = None,
+    ) -> Float[Array, "B T V"] | Float[Array, ""]:
+        """The logits; `key` draws the dropout masks (None, or `dropout` 0: none).
+        With `targets`, the mean cross-entropy of predicting them instead, computed
+        inside the model (`cross_entropy`: under `amp` the logits stay in the
+        compute dtype), as `model.cross_entropy=lean`'s Trainer calls it."""
         b, t = tokens.shape
         x = self.wte[tokens] + jnp.broadcast_to(self.wpe[:t], (b, t, self.wpe.shape[1]))
         params, static = eqx.partition(self.blocks, eqx.is_array)
@@ -158,7 +204,8 @@ class GPT(eqx.Module):
                 layer = jax.tree.map(operator.itemgetter(i), params)
                 k = None if layer_keys is None else layer_keys[i]
                 x = eqx.combine(layer, static)(x, key=k)
-        return jnp.einsum("btc,vc->btv", self.ln_f(x), self.wte)
+        logits = jnp.einsum("btc,vc->btv", self.ln_f(x), self.wte)  # (B, T, V)
+        return logits if targets is None else cross_entropy(logits, targets)
 
 
 class GptTrainer(lowtrain.Trainer):
@@ -169,6 +216,14 @@ class GptTrainer(lowtrain.Trainer):
         logp = jax.nn.log_softmax(logits)
         picked = jnp.take_along_axis(logp, batch["y"][..., None], -1)  # (B, T, 1)
         return -jnp.mean(picked)
+
+
+class LeanGptTrainer(lowtrain.Trainer):
+    """The same loss computed inside the model (`model.cross_entropy=lean`): no
+    float32 logits for a large vocabulary (see `cross_entropy`)."""
+
+    def loss(self, model, batch, *, key):
+        return model(batch["x"], key=key, targets=batch["y"])
 
 
 class UnitGptTrainer(lowtrain.Trainer):
@@ -200,7 +255,8 @@ def build_model(m: GPTConfig | GPTUnitConfig, vocab: int, *, key):
             key=key,
         )
         return model, UnitGptTrainer
-    return GPT(m, vocab, key=key), GptTrainer
+    lean = m.cross_entropy is CrossEntropy.lean
+    return GPT(m, vocab, key=key), LeanGptTrainer if lean else GptTrainer
 
 
 def generate(model, prompt: np.ndarray, length: int, *, key, temperature=0.8):

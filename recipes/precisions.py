@@ -53,10 +53,13 @@ def amp(
     init_scale: float = 2.0**15,
     growth_interval: int = 2000,
     residuals: str = "all",
+    min_dim: int = 0,
 ) -> Precision:
     """`lowtrain.train.Amp(policy)` with the loss scale `loss_scale` names; the
     policy saves `residuals` ("all", or "half": only compute-dtype values, the float32
-    ones recomputed in the backward pass) for the backward pass."""
+    ones recomputed in the backward pass) for the backward pass; with `min_dim`, an
+    FP8 policy's matmuls whose GEMM has an M, N or K below it run in the compute
+    dtype (`lowtrain.Policy.fp8_min_dim`)."""
     kind = LossScale(loss_scale)
     scale = {
         LossScale.none: lambda: lowtrain.NoOpLossScale(),
@@ -65,23 +68,35 @@ def amp(
             init_scale, growth_interval=growth_interval
         ),
     }[kind]()
-    return Amp(lowtrain.get_policy(policy).with_residuals(residuals), loss_scale=scale)
+    chosen = lowtrain.get_policy(policy).with_residuals(residuals)
+    if min_dim and "fp8" not in dict(chosen.rules).values():
+        raise ValueError(
+            f"Expected `precision.min_dim` only with an FP8 policy, got min_dim="
+            f"{min_dim} with policy {policy!r}, which runs no matmul in FP8. Drop "
+            "`precision.min_dim`, or use `precision=fp8`."
+        )
+    return Amp(chosen.with_fp8_min_dim(min_dim), loss_scale=scale)
 
 
 def naive_fp8(
-    policy: str = "bf16", weights_only: bool = False, keep: Sequence[str] = ()
+    policy: str = "bf16",
+    weights_only: bool = False,
+    keep: Sequence[str] = (),
+    min_dim: int = 0,
 ) -> Precision:
-    """Every matmul through `naive_fp8` (FP8 with scale 1), then AMP under `policy`;
-    with `weights_only`, of the `dot_general`s only those with a weight operand
+    """Every matmul through `naive_fp8` (FP8 with scale 1: on a GPU an FP8 GEMM with
+    no amax pass), then AMP under `policy`; with `weights_only`, of the
+    `dot_general`s only those with a weight operand
     (`lowtrain.unit_scaling.fp8_cast_rules`); the matmuls inside the named scopes
-    in `keep` stay as `policy` has them (as `uu.simulate_fp8(..., keep=keep)`)."""
+    in `keep`, and those whose GEMM has an M, N or K below `min_dim`, stay as
+    `policy` has them (as `uu.simulate_fp8(..., keep=keep, min_dim=min_dim)`)."""
     if lowtrain.get_policy(policy) == lowtrain.get_policy("fp8"):
         raise ValueError(
             "Expected a policy that leaves matmuls alone (e.g. bf16) for the naive "
             f"FP8 baseline, got {policy!r} instead, which would quantize them twice. "
             "Use `precision=fp8_naive precision.policy=bf16`."
         )
-    rewrite = Rewrite(fp8_cast_rules(weights_only), keep_scopes(keep))
+    rewrite = Rewrite(fp8_cast_rules(weights_only, min_dim), keep_scopes(keep))
     return Chain(rewrite, amp(policy))
 
 
@@ -142,6 +157,7 @@ class DelayedLinears(Precision):
 
     history: int = eqx.field(static=True)
     margin: int = eqx.field(static=True)
+    min_dim: int = eqx.field(static=True, default=0)  # smaller Linears stay as they are
 
     def cast_params(self, model):
         is_linear = lambda m: isinstance(m, Linear)
@@ -153,16 +169,23 @@ class DelayedLinears(Precision):
                 "have their own FP8 recipes (`recipe=gpt_unit_fp8`); use "
                 "`precision=fp8` for current scaling."
             )
+        big = lambda m: min(m.kernel.shape[-2:]) >= self.min_dim
         swap = lambda m: (
             DelayedLinear(m, history=self.history, margin=self.margin)
-            if is_linear(m)
+            if is_linear(m) and big(m)
             else m
         )
         return jax.tree.map(swap, model, is_leaf=is_linear)
 
 
-def delayed_fp8(history: int = 16, margin: int = 0) -> Precision:
+def delayed_fp8(history: int = 16, margin: int = 0, min_dim: int = 0) -> Precision:
     """The `fp8` policy with delayed scaling for the models' `Linear` layers
     (`DelayedLinears`, scales from the largest amax of the last `history` steps,
-    `margin` powers of two of headroom), current scaling for their other matmuls."""
-    return Chain(DelayedLinears(history, margin), amp("fp8"), DelayedFp8())
+    `margin` powers of two of headroom), current scaling for their other matmuls;
+    the matmuls whose GEMM has an M, N or K below `min_dim` (a `Linear` whose input
+    or output width is) stay bf16."""
+    return Chain(
+        DelayedLinears(history, margin, min_dim),
+        amp("fp8", min_dim=min_dim),
+        DelayedFp8(),
+    )

@@ -1,25 +1,30 @@
-"""One benchmark command: step time, tokens/s, MFU, memory and compile time of the
-char-GPT and a GPU-size GPT in every precision the recipes have.
+"""One benchmark command: step time, tokens/s, MFU, memory and compile time of GPTs
+from the char-GPT to the widths where FP8 pays, in every precision the recipes have.
 
-For each model (`gpt`: the recipes' char-GPT, 4 layers, width 128, context 64, batch
-32; `gpt_small`: `model=gpt_small`, GPT-2 small's shape, context 1024, vocabulary
-50304, batch 16 (32 does not fit an 80 GB GPU in fp32), on synthetic tokens) and
-precision (fp32, bf16, fp16, fp8, fp8_delayed, scalify_fp8 from
-`recipe=gpt_<precision>`; unit_fp32, unit_bf16, unit_fp16, unit_fp8: `model=gpt_unit`
-from `recipe=gpt_unit_<precision>`), the Trainer is built as `python -m lowtrain`
-builds it (`scripts/benchlib/throughput.py`) and its compiled step is timed:
+The models (`--models`), on synthetic tokens but the first: `gpt`, the recipes'
+char-GPT (4 layers, width 128, context 64, batch 32); `gpt_small`, GPT-2 small's
+shape (12 layers, width 768, context 1024, vocabulary 50304, batch 32); `gpt_1b`
+(24 layers, width 2048, context 2048, batch 2: 1.3B parameters); `gpt_4k` (4 layers
+of an 8B model's shape: width 4096, MLP 4x, context 2048, batch 8). The GPU sizes
+use fused attention and the lean cross-entropy (`model.cross_entropy=lean`), and
+fit one 80 GB GPU in bf16 with AdamW state. The precisions (`--precisions`): fp32,
+bf16, fp16, fp8, fp8_delayed, scalify_fp8 from `recipe=gpt_<precision>`; unit_fp32,
+unit_bf16, unit_fp16, unit_fp8: `model=gpt_unit` at the same shape from
+`recipe=gpt_unit_<precision>`. The Trainer is built as `python -m lowtrain` builds
+it (`scripts/benchlib/throughput.py`) and its compiled step is timed:
 
 - step time: `--steps` (>= 20) steps after warm-up, interleaved in rounds of 5 with
   the same step written by hand with explicit casts (`benchlib.models`: the float32
   loss for fp32, mixed precision placed by hand for bf16/fp16, jmp/mpx style, and
   for fp8 with each matmul a `lowtrain.fp8.fp8_dot_general` called by hand;
   unit_fp32: the unit-scaled model's own float32 loss; unit_bf16/fp16/fp8: the
-  unit-scaled model with its casts and FP8 casts written by hand,
-  `benchlib.unit_twin`; no twin for scalify_fp8 and fp8_delayed) in the same
-  process; each round's 5 steps queue one after another as in training (both steps
-  compiled by `lowtrain.train.async_filter_jit`, so the host dispatches the next
-  while the device runs one) and are timed together: the median over rounds of the
-  time per step; `lowtrain / hand` is their ratio;
+  unit-scaled model with its casts and FP8 matmuls written by hand,
+  `benchlib.unit_twin`; no twin for scalify_fp8 and fp8_delayed, nor at gpt_1b and
+  gpt_4k unless `--hand yes`) in the same process; each round's 5 steps queue one
+  after another as in training (both steps compiled by
+  `lowtrain.train.async_filter_jit`, so the host dispatches the next while the
+  device runs one) and are timed together: the median over rounds of the time per
+  step; `lowtrain / hand` is their ratio;
 - tokens/s; MFU: model FLOPs (6 x parameters x tokens + attention) per second over
   the device's dense peak for the precision's matmul dtype (H100 SXM, H200, A100;
   "unknown" elsewhere, e.g. on a CPU);
@@ -28,25 +33,34 @@ builds it (`scripts/benchlib/throughput.py`) and its compiled step is timed:
   step (arguments + outputs - donated + temporaries);
 - compile time: the step's first call (trace, compile and one step) minus its median;
 - FP8 GEMMs: on a GPU, the `__cublas$lt$matmul$f8` custom calls and the Triton GEMM
-  fusions of FP8 operands in the optimized HLO (XLA's autotuner picks either) against
-  the `dot_general`s of the step (forward and backward);
+  fusions of FP8 operands in the optimized HLO (XLA's autotuner picks either)
+  against all its GEMMs (forward and backward) and the matmuls the precision keeps
+  wide (by `keep` or `precision.min_dim`: the dots of non-FP8 operands written in
+  the program);
 - the Trainer's overhead (char-GPT only): `Trainer.fit` against a plain loop calling
   the same compiled step on the same data, interleaved (`benchlib/overhead.py`);
-- issue 13's targets for each model, from these rows: bf16 against fp32 and fp8
-  (and fp8_delayed) against bf16 (step time), bf16's MFU, bf16's peak memory
-  against fp32's, the largest lowtrain / hand and fit / plain; met or missed (speed
-  and memory of low precision get no verdict on a CPU, which emulates it).
+- the targets of docs/performance.md for each model, from these rows: bf16 against
+  fp32, the best FP8 precision against bf16 and unit_fp8 against the best other
+  (step time), every FP8 dot an FP8 GEMM, bf16's MFU, bf16's peak memory against
+  fp32's, the largest lowtrain / hand and fit / plain; met or missed (speed and
+  memory of low precision get no verdict on a CPU, which emulates it).
+
+`--gemm` measures instead where an FP8 GEMM pays: one linear layer's forward and
+backward at widths 256 to 8192, in bf16 and FP8 (current and static scaling), with
+the break-even width (`benchlib/gemm.py`; `gemm.md`, `gemm.json`).
 
 Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`; with
 `--save-hlo DIR` each step's optimized HLO too. A case that fails (out of memory,
 say) is a table row saying why, and the script exits non-zero after the others.
 
-    python scripts/bench.py                      # both models, every precision
+    python scripts/bench.py                      # gpt and gpt_small, every precision
     python scripts/bench.py --models gpt         # the char-GPT only (CPU-sized)
     python scripts/bench.py --quick              # a tiny GPT, 20 steps: seconds
     python scripts/bench.py --precisions fp32,bf16 --out /tmp/bench
+    python scripts/bench.py --models gpt_1b,gpt_4k --precisions bf16,fp8,unit_fp8
     python scripts/bench.py --models gpt_small --precisions bf16,fp8 \\
-        --set precision.residuals=half      # Hydra overrides for every case
+        --set precision.min_dim=1024        # Hydra overrides for every case
+    python scripts/bench.py --gemm               # FP8's break-even width
 """
 
 from __future__ import annotations
@@ -61,17 +75,23 @@ import tempfile
 import time
 
 import jax
-from benchlib import benchtable, overhead, report, throughput, timing
+from benchlib import benchtable, gemm, overhead, report, throughput, timing
 
 PRECISIONS = list(throughput.RECIPES)
-MODELS = ["gpt", "gpt_small"]
+MODELS = ["gpt", "gpt_small", "gpt_1b", "gpt_4k"]
+DEFAULT_MODELS = ["gpt", "gpt_small"]
+# The twin holds a second copy of the weights and the optimizer state: at these sizes
+# the two do not fit one 80 GB GPU together (`--hand yes` to try).
+NO_TWIN = ("gpt_1b", "gpt_4k")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT, 20 steps")
     parser.add_argument("--out", default="bench_out", help="folder for the files")
-    parser.add_argument("--models", default=",".join(MODELS), help="gpt,gpt_small")
+    parser.add_argument(
+        "--models", default=",".join(DEFAULT_MODELS), help=",".join(MODELS)
+    )
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--steps", type=int, default=None, help="timed steps (>= 20)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: recipe")
@@ -88,7 +108,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="each case in its own process (auto: on a GPU, for peak memory)",
     )
     parser.add_argument(
+        "--hand",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help=f"time the hand-cast twin too (auto: all but {', '.join(NO_TWIN)})",
+    )
+    parser.add_argument(
         "--save-hlo", default=None, help="folder for each step's optimized HLO text"
+    )
+    parser.add_argument(
+        "--gemm",
+        action="store_true",
+        help="instead: one linear layer's GEMMs in bf16 and FP8 by width (break-even)",
+    )
+    parser.add_argument(
+        "--gemm-tokens", type=int, default=16384, help="rows of the --gemm inputs"
     )
     throughput.add_set_argument(parser, "case", "precision.residuals=half")
     args = parser.parse_args(argv)
@@ -118,7 +152,8 @@ def measure(model_name: str, precision: str, args) -> dict:
     batch = jax.device_put(data(0))
     gpu = jax.default_backend() == "gpu"
     builders = {"lowtrain": throughput.lowtrain_step}
-    if case.hand_loss is not None:
+    hand = args.hand == "yes" or (args.hand == "auto" and model_name not in NO_TWIN)
+    if case.hand_loss is not None and hand:
         builders["hand"] = throughput.hand_step
     fns, states, first, memory = {}, {}, {}, None
     for name, build in builders.items():
@@ -139,10 +174,14 @@ def measure(model_name: str, precision: str, args) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{model_name}_{precision}.hlo.txt").write_text(hlo)
     if gpu:
-        cublaslt, triton, dots = throughput.count_fp8_gemms(hlo, lowered)
+        cublaslt, triton, gemms = throughput.count_fp8_gemms(hlo)
         fp8_gemms = {"cublaslt": cublaslt, "triton": triton}
     else:
-        memory, fp8_gemms, dots = throughput.analysis_bytes(analysis), None, None
+        memory, fp8_gemms, gemms = throughput.analysis_bytes(analysis), None, None
+    # The matmuls the precision keeps wide: dots written in the program on operands
+    # that are not FP8 (on a CPU every one: it multiplies dequantized FP8 values,
+    # `lowtrain.fp8.f8_dot_lowering`).
+    dots, fp8_dots = throughput.count_dots(lowered)
     peak = throughput.peak_flops(precision)
     flops = case.flops()
     row = {
@@ -164,7 +203,8 @@ def measure(model_name: str, precision: str, args) -> dict:
         "vs_hand": step["lowtrain"] / step["hand"] if "hand" in step else None,
         "loss": float(losses["lowtrain"]),
         "fp8_gemms": fp8_gemms,
-        "dot_generals": dots,
+        "gemms": gemms,
+        "wide_dots": dots - fp8_dots,
     }
     if model_name in ("gpt", "quick"):
         row["overhead"] = overhead.trainer_overhead(
@@ -185,6 +225,7 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
             *("--overhead-rounds", str(args.overhead_rounds)),
             *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
             *(["--save-hlo", args.save_hlo] if args.save_hlo else []),
+            *("--hand", args.hand),
             *(arg for override in args.set for arg in ("--set", override)),
         ]
         child = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE)
@@ -197,10 +238,24 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
     return {"model": model_name, "precision": precision, "error": error}
 
 
+def run_gemm(args, out: pathlib.Path) -> None:
+    """`--gemm`: the GEMM table (`benchlib.gemm`) to gemm.md and gemm.json."""
+    quick = dict(widths=(32, 64), reps=2, rounds=2) if args.quick else {}
+    tokens = 64 if args.quick else args.gemm_tokens
+    rows = gemm.measure(tokens, **quick)
+    device = jax.devices()[0].device_kind
+    table = f"Machine: {report.machine()}\nDevice: {device}\n\n{gemm.markdown(rows)}"
+    (out / "gemm.md").write_text(table + "\n")
+    (out / "gemm.json").write_text(json.dumps({"device": device, "rows": rows}))
+    print(table)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.gemm:
+        return run_gemm(args, out)
     gpu = jax.default_backend() == "gpu"
     isolate = args.isolate == "yes" or (args.isolate == "auto" and gpu)
     start = time.perf_counter()

@@ -226,7 +226,9 @@ def test_jit_inside_amp(maybe_jit, getkey):
     )
 
 
-@pytest.mark.parametrize("act", [jax.nn.relu, jax.nn.gelu, jax.nn.silu], ids=str)
+@pytest.mark.parametrize(
+    "act", [jax.nn.relu, jax.nn.gelu, jax.nn.silu], ids=["relu", "gelu", "silu"]
+)
 def test_builtin_custom_jvp(act, maybe_jit, getkey):
     w = jax.random.normal(getkey(), (8, 8))
     x = jax.random.normal(getkey(), (4, 8))

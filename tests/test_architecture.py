@@ -238,15 +238,6 @@ def test_trainer_compares_no_transform_names():
     assert not found, f"String comparisons in lowtrain/train: {found}"
 
 
-def test_library_files_stay_small():
-    big = {
-        str(p.relative_to(ROOT)): n
-        for m, p in MODULES.items()
-        if m.startswith("lowtrain") and (n := len(p.read_text().splitlines())) > 400
-    }
-    assert not big, f"Files over 400 lines (split them by concern): {big}"
-
-
 def test_architecture_doc_example_runs():
     # docs/architecture.md's worked example: a precision written without touching
     # the Trainer.

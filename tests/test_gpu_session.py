@@ -84,42 +84,27 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
     # Each bench stage's arguments parse as bench.py parses them (precision names,
     # overrides), twin_hlo's name precisions with a twin, the recipes exist.
     import bench
-    import recipe_results
     from benchlib import throughput
 
     stages = session.BY_NAME
-    assert list(stages)[:4] == ["env", "small_fp8", "gpt", "small_rest"]
+    assert list(stages)[:4] == ["env", "small_bf16", "big_1b", "big_4k"]
     for stage in session.STAGES:
         argv = [a.replace("{work}", "/tmp/x") for a in stage.argv]
         assert argv[0] == "python3"
         if argv[1] == "scripts/bench.py":
             args = bench.parse_args(argv[2:])
             assert args.steps >= 20
-        elif argv[1] == "scripts/twin_hlo.py":
-            model = argv[argv.index("--model") + 1]
-            precisions = argv[argv.index("--precisions") + 1].split(",")
-            assert model in throughput.SIZES
-            assert set(precisions) <= set(throughput.RECIPES) - {"scalify_fp8"}
         elif argv[1] == "scripts/profile_step.py":  # its CLI's choices
             model = argv[argv.index("--model") + 1]
             precision = argv[argv.index("--precision") + 1]
             assert model in throughput.SIZES and precision in throughput.RECIPES
-        elif argv[1] == "scripts/recipe_results.py":
-            precisions = [argv[i + 1] for i, a in enumerate(argv) if a == "--precision"]
-            assert precisions in (["fp8"], ["fp8_delayed"])
-            for p in precisions:
-                (override,) = recipe_results.RUNS["gpt_gpu", p]
-                name = override.removeprefix("recipe=")
-                assert (ROOT / "conf" / "recipe" / f"{name}.yaml").is_file()
         else:
             assert argv[1:3] in (["scripts/gpu_session.py", "--env"], ["-m", "pytest"])
+    big = bench.parse_args(stages["big_1b"].argv[2:])
+    assert big.models == ["gpt_1b"] and big.precisions == ["bf16", "fp8", "unit_fp8"]
     fp8 = bench.parse_args(stages["small_fp8"].argv[2:])
-    assert fp8.precisions == ["bf16", "fp8", "fp8_delayed"]  # ratios in one run
-    small = bench.parse_args(stages["small_core"].argv[2:])
-    assert small.models == ["gpt_small"]
-    assert small.precisions == ["fp32", "bf16", "fp8"]
-    half = bench.parse_args(stages["small_half"].argv[2:])
-    assert half.set == ["precision.residuals=half"]
+    assert fp8.hand == "no" and fp8.save_hlo == "{work}"
+    assert bench.parse_args(stages["gemm"].argv[2:]).gemm
     unrolled = bench.parse_args(stages["small_unrolled"].argv[2:])
     assert unrolled.set == ["model.scan_layers=false"]
 

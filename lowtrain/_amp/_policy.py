@@ -97,7 +97,10 @@ class Policy(eqx.Module):
       value the backward pass needs, as JAX chooses (float32 ones included). "half":
       only values in the compute dtype (and integers); the float32 ones (a layer
       norm's, a softmax's, GELU's internals) are recomputed from them in the backward
-      pass, which roughly halves the saved bytes for a little extra compute.
+      pass, which roughly halves the saved bytes for a little extra compute;
+    - `fp8_min_dim`: a `dot_general` that the "fp8" action would run in FP8 runs in
+      the compute dtype instead when its GEMM's M, N or K (`lowtrain.fp8.gemm_dims`)
+      is below this: too small for an FP8 GEMM to pay for its casts (0: none is).
 
     The policy is static data: it is hashable and never traced.
 
@@ -114,6 +117,8 @@ class Policy(eqx.Module):
     assert policy.action("dot_general", ("head",)) == "float32"
     lean = lowtrain.get_policy("bf16").with_residuals("half")
     assert lean.residuals == "half" and lean.compute_dtype == jnp.bfloat16
+    big_only = lowtrain.get_policy("fp8").with_fp8_min_dim(1024)
+    assert big_only.fp8_min_dim == 1024
     ```
     """
 
@@ -123,6 +128,7 @@ class Policy(eqx.Module):
     rules: tuple[tuple[str, str], ...] = eqx.field(static=True)
     scopes: tuple[tuple[str, str], ...] = eqx.field(static=True)
     residuals: str = eqx.field(static=True)
+    fp8_min_dim: int = eqx.field(static=True)
 
     def __init__(
         self,
@@ -133,6 +139,7 @@ class Policy(eqx.Module):
         rules: Mapping[str, object] | None = None,
         scopes: Mapping[str, object] | None = None,
         residuals: str = "all",
+        fp8_min_dim: int = 0,
     ):
         self.param_dtype = _float_dtype(param_dtype, "param_dtype")
         self.compute_dtype = _float_dtype(compute_dtype, "compute_dtype")
@@ -156,11 +163,26 @@ class Policy(eqx.Module):
                 "(float32 ones recomputed), or 'all' (the default) for what JAX saves."
             )
         self.residuals = residuals
+        if isinstance(fp8_min_dim, bool) or not isinstance(
+            fp8_min_dim, int | np.integer
+        ):
+            raise TypeError(
+                f"Expected `fp8_min_dim` as an int, got {fp8_min_dim!r} instead."
+            )
+        if fp8_min_dim < 0:
+            raise ValueError(
+                f"Expected `fp8_min_dim` >= 0, got {fp8_min_dim} instead (0: every "
+                "matmul the 'fp8' action names runs in FP8)."
+            )
+        self.fp8_min_dim = int(fp8_min_dim)
 
     def _replace(self, **changes) -> Policy:
         # A new Policy (so every field is checked again) with `changes` applied.
         fields = dict(
-            rules=dict(self.rules), scopes=dict(self.scopes), residuals=self.residuals
+            rules=dict(self.rules),
+            scopes=dict(self.scopes),
+            residuals=self.residuals,
+            fp8_min_dim=self.fp8_min_dim,
         )
         return Policy(
             self.param_dtype,
@@ -180,6 +202,11 @@ class Policy(eqx.Module):
     def with_residuals(self, residuals: str) -> Policy:
         """A copy that saves `residuals` ("all" or "half") for the backward pass."""
         return self._replace(residuals=residuals)
+
+    def with_fp8_min_dim(self, fp8_min_dim: int) -> Policy:
+        """A copy whose FP8 matmuls with an M, N or K below `fp8_min_dim` run in the
+        compute dtype instead (`fp8_min_dim` above)."""
+        return self._replace(fp8_min_dim=fp8_min_dim)
 
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
         """The action for primitive `primitive` inside `scopes` (outermost first)."""

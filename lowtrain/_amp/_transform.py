@@ -15,7 +15,7 @@ from .. import fp8
 from .._attention import attention_config, dot_product_attention
 from .._compat import COMBINER_PRIMITIVES, custom_vmap_p
 from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
-from ..fp8._dot import delayed_dot_config
+from ..fp8._dot import delayed_dot_config, static_dot_config
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
 
@@ -64,6 +64,8 @@ class _AmpInterpreter(Interpreter):
             return eqn.bind(*invals)
         action = self.policy.action(name, eqn.scopes)
         invals = [jnp.asarray(v) if not hasattr(v, "dtype") else v for v in invals]
+        if action == FP8 and self._too_small(eqn):
+            action = COMPUTE
         if action == FP8:
             return [self._fp8(eqn, *invals)]
         if name in SCATTERS:
@@ -101,6 +103,9 @@ class _AmpInterpreter(Interpreter):
         delayed = delayed_dot_config(eqn)
         if delayed is not None:
             return [self._fp8_delayed(eqn, delayed, *invals)]
+        static = static_dot_config(eqn)
+        if static is not None:
+            return [self._fp8_static(eqn, static, *invals)]
         found = attention_config(eqn)
         if found is None:
             return super().higher_order(eqn, *invals)
@@ -153,6 +158,14 @@ class _AmpInterpreter(Interpreter):
             mode=p["mode"],
         )
 
+    def _too_small(self, eqn: Eqn) -> bool:
+        # The policy's shape filter: an FP8 GEMM too small to pay for its casts.
+        if eqn.primitive.name != "dot_general" or not self.policy.fp8_min_dim:
+            return False
+        lhs, rhs = (a.shape for a in eqn.in_avals)
+        dims = fp8.gemm_dims(lhs, rhs, eqn.params["dimension_numbers"])
+        return min(dims) < self.policy.fp8_min_dim
+
     def _fp8(self, eqn: Eqn, lhs, rhs):
         out = self.policy.compute_dtype
         if eqn.primitive.name == "dot_general":
@@ -178,6 +191,21 @@ class _AmpInterpreter(Interpreter):
             out = self._target(action, [lhs, rhs], eqn.weak[:2])
         scales = jax.tree.unflatten(treedef, state)
         return fp8.fp8_dot_general_delayed(lhs, rhs, dn, *scales, out_dtype=out)
+
+    def _fp8_static(self, eqn: Eqn, config, lhs, rhs):
+        # A static-scale `lowtrain.fp8.fp8_dot_general` (unit scaling's FP8 cast):
+        # called again on the operands as they come, returning the dtype the policy
+        # gives a matmul, so its FP8 product is written in the compute dtype; inside
+        # a "keep" scope as written.
+        action = self.policy.action("dot_general", eqn.scopes)
+        if action == KEEP:
+            return self._as_written(eqn, (lhs, rhs))[0]
+        dn, scales = config
+        if action in (COMPUTE, FP8):
+            out = self.policy.compute_dtype
+        else:
+            out = self._target(action, [lhs, rhs], eqn.weak)
+        return fp8.fp8_dot_general(lhs, rhs, dn, scale=scales, out_dtype=out)
 
     def _target(self, action, invals, weak):
         floats = [v.dtype for v in invals if _is_float(v.dtype)]

@@ -3,6 +3,7 @@
 from ._dot import fp8_conv_general_dilated as fp8_conv_general_dilated
 from ._dot import fp8_dot_general as fp8_dot_general
 from ._dot import fp8_dot_general_delayed as fp8_dot_general_delayed
+from ._dot import gemm_dims as gemm_dims
 from ._formats import E4M3 as E4M3
 from ._formats import E4M3_MAX as E4M3_MAX
 from ._formats import E5M2 as E5M2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -148,15 +149,25 @@ def fp8_dot_general(
     *,
     out_dtype=None,
     margin: int = 0,
+    scale: float | tuple[float, float, float] | None = None,
 ) -> Array:
-    """`lax.dot_general` in FP8, with per-tensor current scaling.
+    """`lax.dot_general` in FP8, with per-tensor current scaling or a static scale.
 
-    Forward: each operand is scaled by its own amax (`current_scale`), cast to E4M3
-    with saturation, and multiplied with float32 accumulation; the result is returned
-    in `out_dtype` (default: `lhs.dtype`). Backward: the output cotangent is scaled
-    and cast to E5M2, and both input gradients are computed from FP8 operands (the
-    E4M3 forward operands, saved as the residuals, and the E5M2 cotangent). Any batch
-    and contracting dimensions work (attention einsums too).
+    Forward: each operand is scaled, cast to E4M3 with saturation, and multiplied with
+    float32 accumulation; the result is returned in `out_dtype` (default:
+    `lhs.dtype`). Backward: the output cotangent is scaled and cast to E5M2, and both
+    input gradients are computed from FP8 operands (the E4M3 forward operands, saved
+    as the residuals, and the E5M2 cotangent). Any batch and contracting dimensions
+    work (attention einsums too). On a GPU the three products are dots of the FP8
+    arrays themselves, which XLA compiles to FP8 GEMMs on Hopper (`f8_dot_lowering`).
+
+    The scales: with `scale=None` (the default) each tensor's own, from its amax
+    (`current_scale`, `margin` powers of two of headroom). With `scale` a number, or
+    `(lhs, rhs, cotangent)` numbers, those static scales (1, or a power of two, so
+    scaling is exact): no pass reads a tensor for its amax. This is the FP8 of unit
+    scaling, whose tensors are near unit scale by construction
+    (`lowtrain.unit_scaling.simulate_fp8`, the `unit_fp8` recipes). Under
+    `lowtrain.amp` a static-scale product comes back in the policy's compute dtype.
 
     ```python
     import jax
@@ -165,10 +176,16 @@ def fp8_dot_general(
 
     x = jax.random.normal(jax.random.key(0), (8, 16)) * 1e4
     w = jax.random.normal(jax.random.key(1), (16, 4)) * 1e-4
-    y = fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())))
+    dn = (((1,), (0,)), ((), ()))
+    y = fp8.fp8_dot_general(x, w, dn)
     assert jnp.linalg.norm(y - x @ w) / jnp.linalg.norm(x @ w) < 0.05
+    # Static scale 1: values beyond 448 saturate, as a plain cast does.
+    y1 = fp8.fp8_dot_general(jnp.array([[1000.0, 0.3]]), jnp.ones((2, 1)), dn, scale=1)
+    assert float(y1[0, 0]) == 448.0 + 0.3125
     ```
     """
+    if scale is not None:
+        return _static(lhs, rhs, dimension_numbers, scale, out_dtype)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     op = functools.partial(
         lax.dot_general,
@@ -176,6 +193,57 @@ def fp8_dot_general(
         preferred_element_type=out_dtype,
     )
     return _fp8_op(op, lhs, rhs, out_dtype, margin, dimension_numbers)
+
+
+def gemm_dims(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int]:
+    """The GEMM a `dot_general` of these shapes is, batch dimensions aside: `(M, N,
+    K)`, the sizes of `lhs`'s free dimensions, `rhs`'s free dimensions and the
+    contracting ones (each the product over its dimensions). A shape filter such as
+    `lowtrain.Policy(fp8_min_dim=...)` compares the smallest with its threshold: an
+    FP8 GEMM pays for its casts only when all three are large.
+
+    ```python
+    import lowtrain.fp8 as fp8
+
+    dn = (((2,), (0,)), ((), ()))  # (B, T, C) @ (C, D)
+    assert fp8.gemm_dims((8, 1024, 768), (768, 3072), dn) == (8192, 3072, 768)
+    heads = (((3,), (3,)), ((0, 2), (0, 2)))  # q @ k.T per batch and head
+    assert fp8.gemm_dims((8, 1024, 12, 64), (8, 1024, 12, 64), heads)[2] == 64
+    ```
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    size = lambda shape, dims: math.prod(int(shape[d]) for d in dims)
+    lf = [d for d in range(len(lhs_shape)) if d not in (*lc, *lb)]
+    rf = [d for d in range(len(rhs_shape)) if d not in (*rc, *rb)]
+    return size(lhs_shape, lf), size(rhs_shape, rf), size(lhs_shape, lc)
+
+
+def _static_scales(scale) -> tuple[float, float, float]:
+    scales = (scale,) * 3 if isinstance(scale, int | float) else tuple(scale)
+    if len(scales) != 3 or not all(
+        isinstance(s, int | float) and math.isfinite(s) and s > 0 for s in scales
+    ):
+        raise ValueError(
+            "Expected `scale` as a positive number or three of them (lhs, rhs, "
+            f"cotangent), e.g. 1.0 or (1.0, 1.0, 2.0**-4), got {scale!r} instead. "
+            "Use `scale=None` for current scaling (each tensor's own amax)."
+        )
+    return tuple(float(s) for s in scales)
+
+
+def _normal_dn(dimension_numbers) -> tuple:
+    # Hashable, whatever sequences they came as: ((lc, rc), (lb, rb)) of int tuples.
+    return tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
+
+
+def _static(lhs, rhs, dimension_numbers, scale, out_dtype) -> Array:
+    scales = _static_scales(scale)
+    dn = _normal_dn(dimension_numbers)
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), out_dtype)
+    ranks = (jnp.ndim(lhs), jnp.ndim(rhs))
+    # The lowering is part of the key: a jit traces once, and the backend decides it.
+    return _static_op(dn, dtypes, scales, ranks, f8_dot_lowering())(lhs, rhs)
 
 
 def fp8_conv_general_dilated(
@@ -244,8 +312,7 @@ def fp8_dot_general_delayed(
     ```
     """
     scales = (lhs_scale, rhs_scale, g_scale)
-    # Hashable, whatever sequences they came as: ((lc, rc), (lb, rb)) of int tuples.
-    dn = tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
+    dn = _normal_dn(dimension_numbers)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), out_dtype)
     # The rank of every input: under `jax.vmap` JAX batches the jit into one of the
@@ -269,15 +336,28 @@ def delayed_dot_config(eqn) -> tuple | None:
     splits a jit into jits of the same name, with other signatures, and `jax.vmap`
     batches it into one with more axes: the call takes `lhs`, `rhs` and the scales'
     leaves, with the ranks it was made for, and returns the product.)"""
+    return _registered(eqn, _DELAYED)
+
+
+def _registered(eqn, table: dict[str, tuple]) -> tuple | None:
+    # The configuration `table` holds for the jit `eqn` calls (its last entry the
+    # inputs' ranks, which must match), or None.
     if eqn.primitive.name != "jit":
         return None
-    config = _DELAYED.get(eqn.params.get("name", ""))
+    config = table.get(eqn.params.get("name", ""))
     if config is None:
         return None
-    dn, treedef, ranks = config
+    *config, ranks = config
     if len(eqn.out_avals) != 1 or tuple(a.ndim for a in eqn.in_avals) != ranks:
         return None
-    return dn, treedef
+    return tuple(config)
+
+
+def _register(call, prefix: str, table: dict[str, tuple], config: tuple):
+    # `call` as a jit named `prefix` + a number, its configuration in `table`.
+    call.__name__ = call.__qualname__ = f"{prefix}{len(table)}"
+    table[call.__name__] = config
+    return jax.jit(call)
 
 
 def _recorded(state: DelayedScale, x: Array) -> DelayedScale:
@@ -349,7 +429,56 @@ def _delayed_op(dimension_numbers, dtypes, treedef, ranks):
     def call(lhs, rhs, scales):
         return run(lhs, rhs, scales)
 
-    call.__name__ = call.__qualname__ = f"{_DELAYED_NAME}{len(_DELAYED)}"
-    _DELAYED[call.__name__] = (dimension_numbers, treedef, ranks)
     run.defvjp(fwd, bwd)
-    return jax.jit(call)
+    return _register(call, _DELAYED_NAME, _DELAYED, (dimension_numbers, treedef, ranks))
+
+
+# A static-scale `fp8_dot_general` runs as a jit with a name of its own per
+# configuration (dimension numbers, dtypes, scales, the inputs' ranks), as the delayed
+# one does: `amp` finds it by that name and calls it again for the compute dtype.
+_STATIC_NAME = "lowtrain_fp8_dot_general_static_"
+_STATIC: dict[str, tuple] = {}
+
+
+def static_dot_config(eqn) -> tuple | None:
+    """For an equation (a `lowtrain._eqn.Eqn`) of a static-scale `fp8_dot_general`
+    as called: `(dimension_numbers, scales)`; None for any other (a jit of another
+    name, or one `jax.vmap` batched into more axes)."""
+    return _registered(eqn, _STATIC)
+
+
+@functools.cache
+def _static_op(dimension_numbers, dtypes, scales, ranks, f8_dots):
+    lhs_dtype, rhs_dtype, out_dtype = dtypes
+    sl, sr, sg = scales
+    op = functools.partial(
+        lax.dot_general,
+        dimension_numbers=dimension_numbers,
+        preferred_element_type=out_dtype,
+    )
+
+    @jax.custom_vjp
+    def run(lhs, rhs):
+        return fwd(lhs, rhs)[0]
+
+    @_exact
+    def fwd(lhs, rhs):
+        # The scales are Python numbers: constants XLA folds (1: no multiply at all).
+        ql, qr = quantize(lhs, E4M3, sl), quantize(rhs, E4M3, sr)
+        dn = dimension_numbers if f8_dots else None  # None: the dequantized product
+        out = _scaled_out(ql, sl, qr, sr, op, dn, out_dtype)
+        return out, (to_bits(ql), to_bits(qr))
+
+    @_exact
+    def bwd(res, g):
+        ql, qr = (from_bits(b, E4M3) for b in res)
+        dn = dimension_numbers if f8_dots else None
+        dl, dr = _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype)
+        return dl.astype(lhs_dtype), dr.astype(rhs_dtype)
+
+    run.defvjp(fwd, bwd)
+
+    def call(lhs, rhs):
+        return run(lhs, rhs)
+
+    return _register(call, _STATIC_NAME, _STATIC, (dimension_numbers, scales, ranks))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._rewrite import rewrite
-from ..fp8 import E4M3, E5M2, dequantize, quantize
+from ..fp8 import E4M3, E5M2, dequantize, fp8_dot_general, gemm_dims, quantize
 from ..fp8._quantize import from_bits, to_bits
 
 MATMULS = ("dot_general", "conv_general_dilated")
@@ -30,9 +32,15 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     gradients come from it and the E4M3 operands, as in `lowtrain.fp8`'s scaled path.
     The rounding is `lowtrain.fp8.quantize` (saturating, round to nearest even).
     The backward pass keeps the rounded operands as their FP8 bytes (`uint8`).
-    Around it, `op` runs in whatever precision the caller's policy gives it: under
-    the "bf16" policy that is a bfloat16 matmul of FP8 values (exact: bfloat16 holds
-    every E4M3 and E5M2 value), accumulated in float32. A model whose tensors are
+    A `dot_general` of a program that `lowtrain.rewrite` hands the rule (its `op`
+    names its dimension numbers) becomes `lowtrain.fp8.fp8_dot_general` with static
+    scale 1: on a GPU the forward and both backward products are FP8 GEMMs of the
+    cast operands, with no amax pass; elsewhere, and for a convolution or a plain
+    function `op`, `op` runs on the cast values in whatever precision the caller's
+    policy gives it. Either way the product of the same FP8 values is accumulated in
+    float32 and returned, under `lowtrain.amp`, in the compute dtype (under the
+    "bf16" policy a bfloat16 matmul of FP8 values is exact: bfloat16 holds every
+    E4M3 and E5M2 value). A model whose tensors are
     near unit scale (unit scaling) loses little; one whose are not (a standard GPT's
     small activations and gradients) underflows: the recipes' `fp8_naive` baseline.
 
@@ -44,6 +52,14 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     assert float(y[0, 0]) == 448.0 + 0.3125  # saturated, rounded, flushed to zero
     ```
     """
+    params = getattr(op, "params", None)
+    if getattr(getattr(op, "primitive", None), "name", "") == "dot_general" and params:
+        # A `dot_general` of a program (a `lowtrain.rewrite` rule's `op`): the same
+        # casts written as an FP8 matmul with static scale 1, on a GPU an FP8 GEMM
+        # of the cast operands; the product, accumulated in float32, is the same.
+        out = params.get("preferred_element_type") or lhs.dtype
+        dn = params["dimension_numbers"]
+        return fp8_dot_general(lhs, rhs, dn, scale=1.0, out_dtype=out)
 
     @jax.custom_vjp
     def run(lhs, rhs):
@@ -87,16 +103,33 @@ def fp8_weight_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     assert abs(float(scores[0, 0, 0]) - 4e-8) < 1e-13  # not flushed
     ```
     """
-    if min(jax.numpy.ndim(lhs), jax.numpy.ndim(rhs)) <= 2:
+    if min(jnp.ndim(lhs), jnp.ndim(rhs)) <= 2:
         return fp8_cast_op(op, lhs, rhs)
     return op(lhs, rhs)
 
 
-def fp8_cast_rules(weights_only: bool = False) -> dict[str, Callable]:
+@dataclasses.dataclass(frozen=True)
+class _AtLeast:
+    # A `dot_general` rule applied only where the GEMM's M, N and K are all at least
+    # `min_dim` (`lowtrain.fp8.gemm_dims`); a smaller one runs as written. Hashable by
+    # value: `lowtrain.rewrite` keys its compiled programs on the rules.
+    rule: Callable
+    min_dim: int
+
+    def __call__(self, op, lhs: Array, rhs: Array) -> Array:
+        dn = op.params["dimension_numbers"]
+        if min(gemm_dims(jnp.shape(lhs), jnp.shape(rhs), dn)) < self.min_dim:
+            return op(lhs, rhs)
+        return self.rule(op, lhs, rhs)
+
+
+def fp8_cast_rules(weights_only: bool = False, min_dim: int = 0) -> dict[str, Callable]:
     """The `lowtrain.rewrite` rules of `simulate_fp8`: `fp8_cast_op` for every
     `dot_general` and `conv_general_dilated`; with `weights_only`, the
     `dot_general`s through `fp8_weight_cast_op` (convolutions are always cast: their
-    kernel is a weight).
+    kernel is a weight). With `min_dim`, a `dot_general` whose GEMM has an M, N or K
+    below it (`lowtrain.fp8.gemm_dims`: too small for an FP8 GEMM to pay) is left as
+    written.
 
     ```python
     import lowtrain.unit_scaling as uu
@@ -104,16 +137,28 @@ def fp8_cast_rules(weights_only: bool = False) -> dict[str, Callable]:
     rules = uu.fp8_cast_rules(weights_only=True)
     assert rules["dot_general"] is uu.fp8_weight_cast_op
     assert rules["conv_general_dilated"] is uu.fp8_cast_op
+    assert uu.fp8_cast_rules(min_dim=256) == uu.fp8_cast_rules(min_dim=256)
     ```
     """
+    if isinstance(min_dim, bool) or not isinstance(min_dim, int) or min_dim < 0:
+        raise ValueError(
+            f"Expected `min_dim` as an int >= 0 (0: every matmul in FP8), got "
+            f"{min_dim!r} instead."
+        )
     rules = dict.fromkeys(MATMULS, fp8_cast_op)
     if weights_only:
         rules["dot_general"] = fp8_weight_cast_op
+    if min_dim:
+        rules["dot_general"] = _AtLeast(rules["dot_general"], min_dim)
     return rules
 
 
 def simulate_fp8(
-    fn: Callable, *, weights_only: bool = False, keep: Sequence[str] = ()
+    fn: Callable,
+    *,
+    weights_only: bool = False,
+    keep: Sequence[str] = (),
+    min_dim: int = 0,
 ) -> Callable:
     """`fn` with every matmul and convolution through FP8 by a plain cast: operands
     to E4M3 forward, the cotangent to E5M2 backward, scale 1, saturating
@@ -125,7 +170,8 @@ def simulate_fp8(
     Matmuls inside a `jax.named_scope` named in `keep` (names or globs) stay as they
     are: the "critical" matmuls whose inputs u-μP finds growing during training, such
     as `uu.TransformerDecoder`'s readout (`"projection"`) and the MLPs'
-    down-projections (`"linear_2"`).
+    down-projections (`"linear_2"`). With `min_dim`, the matmuls whose GEMM has an M,
+    N or K below it stay as they are too (see `fp8_cast_rules`).
 
     ```python
     import jax
@@ -147,7 +193,8 @@ def simulate_fp8(
     assert abs(float(y[0, 0]) - (1.0 + 2**-5 + 1e-4)) < 1e-6
     ```
     """
-    return rewrite(fn, fp8_cast_rules(weights_only), scopes=keep_scopes(keep))
+    rules = fp8_cast_rules(weights_only, min_dim)
+    return rewrite(fn, rules, scopes=keep_scopes(keep))
 
 
 def keep_scopes(keep: Sequence[str]) -> dict[str, dict]:

@@ -34,6 +34,7 @@ from lowtrain.fp8 import fp8_dot_general
 from lowtrain.recipes._config import GPTConfig
 from lowtrain.recipes._layers import Linear
 from lowtrain.recipes.gpt import GPT, Block
+from lowtrain.recipes.gpt import cross_entropy as lean_cross_entropy
 from lowtrain.recipes.mnist import MLP
 
 F32 = jnp.float32
@@ -222,15 +223,19 @@ def _hand_gpt_logits(model: GPT, tokens: jax.Array, mm: Matmuls):
     return mm.einsum("btc,vc->btv", h, m.wte)
 
 
-def hand_gpt_loss(half, f32_sums: bool = False, fp8: bool = False) -> Callable:
+def hand_gpt_loss(
+    half, f32_sums: bool = False, fp8: bool = False, lean: bool = False
+) -> Callable:
     """The GPT loss with mixed precision placed by hand: parameters and activations
     in `half`; `fp8`: every matmul through `lowtrain.fp8` (the "fp8" policy's
-    placement, `half` bfloat16). `f32_sums`: see `Matmuls`. `twin` picks these
-    arguments for an `amp` preset."""
+    placement, `half` bfloat16). `f32_sums`: see `Matmuls`. `lean`: the loss of
+    `model.cross_entropy=lean` (`recipes.gpt.cross_entropy` on the `half` logits)
+    instead of float32 logits. `twin` picks these arguments for an `amp` preset."""
     mm = Matmuls(jnp.dtype(half), fp8=fp8, f32_sums=f32_sums)
+    ce = lean_cross_entropy if lean else cross_entropy
 
     def hand_loss(model: GPT, tokens: jax.Array, targets: jax.Array) -> jax.Array:
-        return cross_entropy(_hand_gpt_logits(model, tokens, mm), targets)
+        return ce(_hand_gpt_logits(model, tokens, mm), targets)
 
     return hand_loss
 

@@ -27,6 +27,7 @@ import numpy as np
 from hydra import compose, initialize_config_module
 
 from lowtrain.recipes import _common, _config, _run, gpt
+from lowtrain.recipes._config import CrossEntropy
 from lowtrain.recipes._layers import decay_mask
 from lowtrain.train import async_filter_jit
 
@@ -46,9 +47,8 @@ RECIPES = {
     "unit_fp8": "gpt_unit_fp8",
 }
 # The dtype whose peak bounds each precision's matmuls. fp32 runs at JAX's default
-# matmul precision, which on A100/H100/H200 is TF32 for float32 dots. unit_fp8 rounds
-# its matmuls' operands to FP8 and multiplies them in bfloat16 (`fp8_naive`: a cast
-# and back, no FP8 GEMM; H200, 2026-11-26: 0 of 255), so bfloat16's peak bounds it.
+# matmul precision, which on A100/H100/H200 is TF32 for float32 dots. unit_fp8's
+# matmuls are FP8 GEMMs with static scale 1 (the readout bf16).
 PEAK_DTYPE = {
     "fp32": "tf32",
     "bf16": "bf16",
@@ -59,7 +59,7 @@ PEAK_DTYPE = {
     "unit_fp32": "tf32",
     "unit_bf16": "bf16",
     "unit_fp16": "fp16",
-    "unit_fp8": "bf16",
+    "unit_fp8": "fp8",
 }
 # Dense tensor-core peaks in TFLOP/s (no sparsity), from NVIDIA's data sheets.
 PEAKS = {
@@ -73,19 +73,32 @@ SIZES = {
     "gpt": ([], 65),  # the recipes' char-GPT; 65 characters in Shakespeare
     # Batch 16: at 32 x 1024 tokens the float32 step holds about 91 GiB (XLA's memory
     # analysis), more than an 80 GB H100 has.
-    "gpt_small": (["model=gpt_small", "trainer.batch_size=16"], 50304),
+    # Batch 32 at GPT-2 small's shape (llm.c runs 64 with cuDNN attention): with
+    # the lean cross-entropy and fused attention the bf16 step fits an 80 GB GPU.
+    "gpt_small": (["model=gpt_small", "trainer.batch_size=32"], 50304),
+    # Batch 2 x 2048 tokens at 1.3B parameters: the bf16 step saves about 115 bytes
+    # per token, layer and channel (gpt_4k on an H100), so with AdamW state (21 GB)
+    # batch 4 does not fit an 80 GB H100 (out of memory there); 2 does.
+    "gpt_1b": (["model=gpt_1b", "trainer.batch_size=2"], 50304),
+    "gpt_4k": (["model=gpt_4k", "trainer.batch_size=8"], 50304),
     "quick": (
         ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=16"],
         65,
     ),
 }
-UNIT_SMALL = [  # model=gpt_unit has no gpt_small: the same shape by overrides
-    "model.n_layer=12",
-    "model.n_head=12",
-    "model.n_embd=768",
-    "model.block_size=1024",
-    "trainer.batch_size=16",
-]
+# model=gpt_unit at the GPU sizes: the same shapes by overrides (its MLP is a
+# SwiGLU, so it has more parameters at the same width).
+UNIT_SIZES = {
+    name: [
+        *(f"model.{k}={v}" for k, v in shape.items()),
+        f"trainer.batch_size={batch}",
+    ]
+    for name, shape, batch in [
+        ("gpt_small", dict(n_layer=12, n_head=12, n_embd=768, block_size=1024), 32),
+        ("gpt_1b", dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048), 2),
+        ("gpt_4k", dict(n_layer=4, n_head=32, n_embd=4096, block_size=2048), 8),
+    ]
+}
 FP8_GEMM = "__cublas$lt$matmul$f8"
 
 _config.register()
@@ -114,7 +127,7 @@ def peak_flops(precision: str) -> float | None:
 class Case:
     """One model size in one precision, built as `python -m lowtrain` builds it."""
 
-    model_name: str  # "gpt", "gpt_small" or "quick"
+    model_name: str  # a key of `SIZES`
     precision: str
     trainer: Any  # the recipe's Trainer subclass
     config: Any  # recipes._config.Config
@@ -187,8 +200,8 @@ def make_case(
     """The Trainer of `recipe=gpt_<precision>` at size `model_name`, on synthetic
     tokens; `batch_size` None: the recipe's; `extra`: more Hydra overrides."""
     overrides, vocab = SIZES[model_name]
-    if precision.startswith("unit") and model_name == "gpt_small":
-        overrides = UNIT_SMALL
+    if precision.startswith("unit") and model_name in UNIT_SIZES:
+        overrides = UNIT_SIZES[model_name]
     if batch_size is not None:
         overrides = [*overrides, f"trainer.batch_size={batch_size}"]
     overrides = [*overrides, *extra]
@@ -203,7 +216,8 @@ def make_case(
     elif precision == "unit_fp32":  # no casts: the plain step of the unit model
         hand = models.unit_loss
     elif precision in ("bf16", "fp16", "fp8"):
-        hand = models.twin(models.hand_gpt_loss, precision)
+        lean = getattr(config.model, "cross_entropy", None) is CrossEntropy.lean
+        hand = models.twin(models.hand_gpt_loss, precision, lean=lean)
     elif precision in ("unit_bf16", "unit_fp16", "unit_fp8"):
         hand = unit_twin.twin(config)
     return Case(
@@ -293,11 +307,23 @@ def _f8_gemm_computations(optimized_hlo: str) -> set[str]:
     return found
 
 
-def count_fp8_gemms(optimized_hlo: str, lowered_text: str) -> tuple[int, int, int]:
-    """`(cuBLASLt FP8 GEMM custom calls, Triton GEMM fusions of FP8 operands, in the
-    optimized HLO; dot_generals in the lowered step)`: the matmuls of forward and
-    backward, a scan's body once in each. XLA's autotuner picks cuBLASLt or a Triton
-    kernel per GEMM; both run on the FP8 tensor cores."""
+def count_dots(lowered_text: str) -> tuple[int, int]:
+    """`(dot_generals, those of two FP8 operands)` written in the lowered step
+    (StableHLO). The first minus the second are the matmuls the precision keeps wide
+    (by `keep` or the shape filter): those are written where they run. (A function
+    the program calls several times is written once: an FP8 matmul under a
+    static-scale jit is, so count the GEMMs in the compiled step instead.)"""
+    dots = re.findall(r"\bstablehlo\.dot_general\b.*", lowered_text)
+    f8 = [d for d in dots if len(re.findall(r"xf8E\w+>", d.split(" -> ")[0])) >= 2]
+    return len(dots), len(f8)
+
+
+def count_fp8_gemms(optimized_hlo: str) -> tuple[int, int, int]:
+    """`(cuBLASLt FP8 GEMM custom calls, Triton GEMM fusions of FP8 operands, all
+    GEMMs)` in the optimized HLO of a GPU step: the matmuls of forward and backward,
+    a scan's body once. XLA's autotuner picks cuBLASLt or a Triton kernel per GEMM;
+    both run on the FP8 tensor cores. All GEMMs: the cuBLAS calls and the `dot`s
+    left in fusions (Triton's)."""
     cublaslt = optimized_hlo.count(f'custom_call_target="{FP8_GEMM}"')
     f8 = _f8_gemm_computations(optimized_hlo)
     triton = sum(
@@ -308,5 +334,6 @@ def count_fp8_gemms(optimized_hlo: str, lowered_text: str) -> tuple[int, int, in
         and (m := re.search(r"calls=%([\w.\-]+)", line))
         and m.group(1) in f8
     )
-    dots = len(re.findall(r"\bstablehlo\.dot_general\b", lowered_text))
-    return cublaslt, triton, dots
+    cublas = len(re.findall(r'custom_call_target="__cublas\$[\w$]*"', optimized_hlo))
+    dots = len(re.findall(r" dot\(", optimized_hlo))
+    return cublaslt, triton, cublas + dots

@@ -8,7 +8,8 @@ E5M2 cotangent, scale 1: `precision=fp8_naive`, `keep: [projection]`), then runs
 "bf16" policy. `hand_unit_loss` writes the same model with the casts in the code, as
 one writes a unit-scaled model in half precision without lowtrain's transforms:
 parameters cast to the half dtype; every matmul on half operands, returning half
-(for unit_fp8 wrapped in `uu.fp8_cast_op` by hand, on the operands as they come);
+(for unit_fp8 a `lowtrain.fp8.fp8_dot_general` with scale 1 called by hand, on the
+operands as they come);
 the ops `amp`'s policy runs in float32 upcast by hand (the RMS norms' mean and
 rsqrt, the attention softmax, SiLU's sigmoid and the products after it). The
 unit-scaling ops that decide no precision (`U.scale_fwd`, `U.scale_bwd`,
@@ -33,6 +34,7 @@ from jax import lax
 import lowtrain
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
+from lowtrain.fp8 import fp8_dot_general
 from lowtrain.recipes._config import NaiveFp8PrecisionConfig
 from lowtrain.unit_scaling._activations import glu_scale
 from lowtrain.unit_scaling._attention import _attention_scale
@@ -48,9 +50,10 @@ F32 = jnp.float32
 @dataclass(frozen=True)
 class UnitMatmuls:
     """How the hand-placed unit GPT runs its matmuls: on `half` operands, returning
-    `half`; with `fp8`, each through `uu.fp8_cast_op` (the operands rounded to E4M3
-    as they come, the cotangent to E5M2, scale 1) unless its sublayer's name is in
-    `keep`, as `precision=fp8_naive` with `precision.keep` places them."""
+    `half`; with `fp8`, each a `lowtrain.fp8.fp8_dot_general` with static scale 1
+    (the operands cast to E4M3, the cotangent to E5M2, no amax) unless its
+    sublayer's name is in `keep`, as `precision=fp8_naive` with `precision.keep`
+    places them."""
 
     half: Any
     fp8: bool = False
@@ -59,14 +62,19 @@ class UnitMatmuls:
     def __call__(self, a, b, scope: str, spec: str | None = None):
         """`a @ b` (or `jnp.einsum(spec, a, b)`) of the sublayer `scope`."""
         half = self.half
-
-        def op(a, b):
-            a, b = a.astype(half), b.astype(half)
-            return a @ b if spec is None else jnp.einsum(spec, a, b)
-
+        spec = spec or "...k,kn->...n"
         if self.fp8 and scope not in self.keep:
-            return uu.fp8_cast_op(op, a, b)
-        return op(a, b)
+            # The einsum's dot_general as an FP8 matmul with static scale 1, called
+            # by hand on the operands as they come (on a GPU an FP8 GEMM).
+            def fp8_dot(lhs, rhs, dimension_numbers, precision=None, **_):
+                return fp8_dot_general(
+                    lhs, rhs, dimension_numbers, scale=1.0, out_dtype=half
+                )
+
+            return jnp.einsum(
+                spec, a, b, preferred_element_type=half, _dot_general=fp8_dot
+            )
+        return jnp.einsum(spec, a.astype(half), b.astype(half))
 
 
 def _not_the_unit_gpt(expected: str, got: str) -> ValueError:
