@@ -9,10 +9,24 @@ mis-transform a program.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+# JAX 0.10 and 0.11: inside `jax.vmap` the current trace (`core.trace_ctx.trace`) is a
+# `BatchTrace`: `to_batch_info(x)` gives a value's batched array and batch dimension
+# (None where this vmap does not batch it), `parent_trace` is the trace around the
+# vmap, `axis_data` holds its axis name (`core.no_axis_name` when unnamed), size and
+# spmd axis name, and `BatchTracer(trace, val, dim)` puts a batched array back in.
+# `jax.custom_batching.custom_vmap`'s batching rule uses the same (`VmapFrame`).
+# `custom_batching.vmap_unrestricted(wrapped_fun, *args, in_axes, axis_name,
+# axis_size)` batches a function and returns its outputs with their batch dimensions
+# (None: not batched), which `jax.vmap` does not report (`batch_flat`).
+from jax._src import api_util as _api_util
+from jax._src import core as _core
+from jax._src import linear_util as _lu
 
 # JAX 0.10 and 0.11: a custom_vjp backward rule may return `ad_util.Zero` placeholders
 # for inputs that get no cotangent.
@@ -23,6 +37,8 @@ from jax._src.ad_util import Zero as _Zero
 # and an open `Jaxpr` in 0.11, constants passed as arguments in both
 # (`custom_vmap_body`).
 from jax._src.custom_batching import custom_vmap_p as custom_vmap_p
+from jax._src.custom_batching import vmap_unrestricted as _vmap_unrestricted
+from jax._src.interpreters import batching as _batching
 
 # JAX 0.10 and 0.11: a name stack is a tuple of `Scope` (from `jax.named_scope`) and
 # `Transform` (jvp, transpose, ...) entries; the name stack of an equation inside a
@@ -305,3 +321,67 @@ def saved_residual_avals(fn, *args) -> list:
     from jax._src.ad_checkpoint import saved_residuals
 
     return [aval for aval, _ in saved_residuals(fn, *args)]
+
+
+@dataclasses.dataclass(frozen=True)
+class VmapFrame:
+    """The innermost `jax.vmap` being traced, seen from inside it: what lets a
+    function called under `jax.vmap` run on the whole batch at once instead of being
+    batched op by op (`lowtrain.amp` interprets `jax.vmap(f)` so)."""
+
+    trace: Any
+
+    @property
+    def axis_name(self):
+        name = self.trace.axis_data.name
+        return None if name is _core.no_axis_name else name
+
+    @property
+    def axis_size(self) -> int:
+        return self.trace.axis_data.size
+
+    def split(self, x) -> tuple[Any, int | None]:
+        """`(the batched array, its batch dimension)` of `x`; `(x, None)` where this
+        vmap does not batch it."""
+        val, dim = self.trace.to_batch_info(x)
+        return val, (None if dim is None else int(dim))
+
+    def outside(self):
+        """A context in which arrays are the batched ones (the trace around the
+        vmap)."""
+        return _core.set_current_trace(self.trace.parent_trace)
+
+    def wrap(self, batched, dim: int | None):
+        """An array batched along `dim` (None: not batched), as a value of this
+        vmap."""
+        return _batching.BatchTracer(self.trace, batched, dim)
+
+    def batch_flat(self, fn, args: Sequence, in_axes: Sequence) -> tuple[list, list]:
+        """`fn(*args) -> list of arrays`, batched as `jax.vmap` with this vmap's
+        axis name and size batches it (`in_axes` per argument): `(the outputs, their
+        batch dimensions)`, None for an output that does not depend on the batch
+        (as `jax.vmap(..., out_axes=None)` needs)."""
+        name = self.trace.axis_data.name
+        info = _api_util.debug_info("vmap", fn, tuple(args), {})
+        wrapped = _lu.wrap_init(lambda *xs: list(fn(*xs)), debug_info=info)
+        outs, out_axes = _vmap_unrestricted(
+            wrapped,
+            *args,
+            in_axes=list(in_axes),
+            axis_name=name,
+            axis_size=self.axis_size,
+        )
+        return list(outs), [None if d is None else int(d) for d in out_axes]
+
+
+def current_vmap() -> VmapFrame | None:
+    """The innermost `jax.vmap` being traced, if that is the current trace (not,
+    say, a `jax.grad` inside it); None otherwise. One that places its batch on mesh
+    axes (`spmd_axis_name`, sharding-in-types) is not handled: None."""
+    trace = _core.trace_ctx.trace
+    if not isinstance(trace, _batching.BatchTrace):
+        return None
+    data = trace.axis_data
+    if data.spmd_name is not None or getattr(data, "_ema", None) is not None:
+        return None
+    return VmapFrame(trace)

@@ -31,6 +31,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from . import _compat
@@ -149,7 +150,14 @@ class Interpreter:
                     f"expected {len(jeqn.outvars)}."
                 )
             env.update(zip(jeqn.outvars, outvals))
-        return [read(v) for v in jaxpr.outvars]
+        # An output may be a literal (a constant the program returns, such as a
+        # `jnp.array(False)`): returned as an array of its type.
+        return [
+            jnp.asarray(v.val, v.aval.dtype)
+            if isinstance(v, _compat.Literal)
+            else env[v]
+            for v in jaxpr.outvars
+        ]
 
     def fix_types(self, step: Callable, init: Sequence[Any], *extra: Any) -> list:
         """Types of a loop carry that one more iteration of `step` leaves unchanged.

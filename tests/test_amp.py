@@ -242,8 +242,9 @@ def test_builtin_custom_jvp(act, maybe_jit, getkey):
 
 
 def test_relu_backward_stays_half(getkey):
-    x = jax.random.normal(getkey(), (4, 8))
-    f = lambda x: jnp.sum(jax.nn.relu(x) * 2.0)
+    # relu of a matmul's half output: forward and backward in half.
+    x, w = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (8, 8))
+    f = lambda x: jnp.sum(jax.nn.relu(x @ w) * 2.0)
     selects = eqns_of(jax.grad(lowtrain.amp(f, "fp16")), x, prim="select_n")
     assert selects and all(float_in_dtypes(e) == {HALF["fp16"]} for e in selects)
 
@@ -520,6 +521,9 @@ def test_scatter_max_follows_its_inputs():
     assert out.dtype == np.float16
     np.testing.assert_array_equal(out, [2.0, 0.0, 0.0])
     (scatter,) = eqns_of(lowtrain.amp(f, "fp16"), x, u, prim="scatter-max")
+    assert float_in_dtypes(scatter) == {np.dtype(np.float32)}  # its inputs' dtype
+    half = [a.astype(np.float16) for a in (x, u)]
+    (scatter,) = eqns_of(lowtrain.amp(f, "fp16"), *half, prim="scatter-max")
     assert float_in_dtypes(scatter) == {HALF["fp16"]}
 
 

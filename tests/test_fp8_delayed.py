@@ -149,10 +149,11 @@ def test_delayed_fp8_trains_the_gpt_with_one_history_per_layer(getkey):
         # The scale is the history's (float32, not rounded to the compute dtype).
         expected = [fp8.compute_scale(jnp.max(h), scale.dtype) for h in history]
         np.testing.assert_allclose(scale.scale, expected, rtol=1e-6)
-    # The newest weight amax is that of the kernels the last step multiplied (as the
-    # policy's compute dtype, bf16, rounds them), one per layer; the kernels
-    # themselves moved (the optimizer saw them).
-    used = before.model.blocks.qkv.kernel.astype(jnp.bfloat16).astype(jnp.float32)
+    # The newest weight amax is that of the kernels the last step multiplied (the
+    # float32 kernels: `amp` casts an input where an op uses it, and the FP8 cast
+    # takes it as it is), one per layer; the kernels themselves moved (the optimizer
+    # saw them).
+    used = before.model.blocks.qkv.kernel
     np.testing.assert_array_equal(
         qkv.w_scale.amax_history[:, 0], jnp.max(jnp.abs(used), axis=(1, 2))
     )
@@ -161,9 +162,10 @@ def test_delayed_fp8_trains_the_gpt_with_one_history_per_layer(getkey):
 
 @pytest.mark.parametrize("policy", ["bf16", "fp8"])
 def test_amp_leaves_delayed_scaling_state_in_float32(policy, getkey):
-    # `amp` casts a model's float leaves to the compute dtype on entry, but not a
-    # `DelayedScale`'s: its new value comes back as its cotangent, and a bf16 cast on
-    # entry would round that too (a scale of 8 significant bits, not 24).
+    # `amp` casts a model's float leaves where the ops that use them run in the
+    # compute dtype; a `DelayedScale`'s are used by the FP8 op as they are: its new
+    # value comes back as its cotangent, and a bf16 cast would round that too (a
+    # scale of 8 significant bits, not 24).
     layer = fp8.Fp8Linear(16, 4, delayed=True, key=getkey())
     x = jax.random.normal(getkey(), (8, 16)) * 3.3
     loss = lambda m: jnp.sum(lowtrain.amp(m, policy)(x) ** 2)
@@ -174,9 +176,8 @@ def test_amp_leaves_delayed_scaling_state_in_float32(policy, getkey):
         expected = fp8.compute_scale(jnp.max(s.amax_history), s.dtype)
         np.testing.assert_allclose(s.scale, expected, rtol=1e-6)
         assert s.scale.astype(jnp.bfloat16).astype(jnp.float32) != s.scale
-    # The operands themselves are the policy's: x and the weight in bf16.
-    bf16_amax = jnp.max(jnp.abs(x.astype(jnp.bfloat16))).astype(jnp.float32)
-    assert scales.x_scale.amax_history[0] == bf16_amax
+    # The FP8 op takes its operands as they come: x in float32.
+    assert scales.x_scale.amax_history[0] == jnp.max(jnp.abs(x))
 
 
 @pytest.mark.slow  # three short runs through the app: 30-50 s on 2 cores

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import fp8
 from .._attention import attention_config, dot_product_attention
-from .._compat import COMBINER_PRIMITIVES, custom_vmap_p
+from .._compat import COMBINER_PRIMITIVES, current_vmap, custom_vmap_p
 from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
 from ..fp8._dot import delayed_dot_config, static_dot_config
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
@@ -253,51 +253,72 @@ def _save_half(half):
     return saveable
 
 
-def _cast_floats(leaves, dtype, keep=()):
-    """`leaves` with the floats cast to `dtype`, except where `keep` (aligned with
-    the end of `leaves`) is True."""
-    keep = [False] * (len(leaves) - len(keep)) + list(keep)
-    return [
-        _cast(x, dtype) if _is_float(x.dtype) and not k else x
-        for x, k in zip(leaves, keep, strict=True)
-    ]
-
-
-def _scaling_state(tree) -> list[bool]:
-    """For each array leaf of `tree`: whether it is FP8 delayed-scaling state (a leaf
-    of a `lowtrain.fp8.DelayedScale`). That state enters `amp` as it is stored,
-    float32: the step's record of it comes back as its cotangent, which a cast on
-    entry would round to the compute dtype."""
-    is_state = lambda x: isinstance(x, fp8.DelayedScale)
-    marks = jax.tree.map(
-        lambda x: jax.tree.map(lambda _: True, x) if is_state(x) else False,
-        tree,
-        is_leaf=is_state,
-    )
-    leaves = jax.tree.leaves(tree)
-    return [
-        m
-        for x, m in zip(leaves, jax.tree.leaves(marks), strict=True)
-        if eqx.is_array(x)
-    ]
+def _cast_floats(leaves, dtype):
+    """`leaves` with the floats cast to `dtype`."""
+    return [_cast(x, dtype) if _is_float(x.dtype) else x for x in leaves]
 
 
 @eqx.filter_jit
 def _amp_call(fn, policy: Policy, args, kwargs):
     # Traced once per input structure (filter_jit's cache): the program is traced at the
     # dtypes it was written for, then re-interpreted under the policy.
+    # Inputs enter as they are: each op casts what it uses (`_AmpInterpreter.rule`),
+    # so an input used by float32 ops keeps its precision there.
     call = FlatCall(fn, args, kwargs)
-    keep = _scaling_state((fn, args, kwargs))  # aligned with `call.inputs`
     remat = _save_half(policy.compute_dtype) if policy.residuals == "half" else None
     outs = call_transformed(
         _AmpInterpreter(policy),
         call,
         call.inputs,
-        enter=lambda xs: _cast_floats(xs, policy.compute_dtype, keep),
         leave=lambda outs: _cast_floats(outs, policy.output_dtype),
         remat_policy=remat,
     )
     return call.rebuild(outs)
+
+
+def _batched_call(frame, fn, policy: Policy, args, kwargs):
+    """`fn(*args, **kwargs)` called under the `jax.vmap` of `frame`, run as
+    `amp(jax.vmap(fn), policy)` on the whole batch: the program `amp` places is the
+    batched one (a weight gradient is one matmul over the batch, not one per example
+    summed afterwards; a collective over the vmap's axis is an op on the batch).
+    None if nothing in the call is batched by that vmap."""
+    leaves, treedef = jax.tree.flatten((fn, args, kwargs))
+    arrays = [eqx.is_array(x) for x in leaves]
+    split = [frame.split(x) for x, a in zip(leaves, arrays) if a]
+    if all(dim is None for _, dim in split):
+        return None
+    out_structure, out_dims = [], []
+
+    def per_example(*xs):
+        it = iter(xs)
+        full = [next(it) if a else x for x, a in zip(leaves, arrays)]
+        f, a, k = jax.tree.unflatten(treedef, full)
+        dynamic, static = eqx.partition(f(*a, **k), eqx.is_array)
+        flat, out_tree = jax.tree.flatten(dynamic)
+        out_structure[:] = [(out_tree, static)]
+        return flat
+
+    def batched(*xs):
+        outs, dims = frame.batch_flat(per_example, xs, [d for _, d in split])
+        out_dims[:] = dims
+        return outs
+
+    with frame.outside():
+        outs = _call(batched, policy, tuple(val for val, _ in split), {})
+    out_tree, static = out_structure[0]
+    wrapped = [frame.wrap(x, d) for x, d in zip(outs, out_dims)]
+    return eqx.combine(jax.tree.unflatten(out_tree, wrapped), static)
+
+
+def _call(fn, policy: Policy, args, kwargs):
+    # Under `jax.vmap`, the batched program (`_batched_call`; a vmap around that one
+    # is peeled the same way); else `fn` itself.
+    frame = current_vmap()
+    if frame is not None:
+        out = _batched_call(frame, fn, policy, args, kwargs)
+        if out is not None:
+            return out
+    return _amp_call(fn, policy, args, kwargs)
 
 
 class _Amp(eqx.Module):
@@ -309,7 +330,7 @@ class _Amp(eqx.Module):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        return _amp_call(self.fn, self.policy, args, kwargs)
+        return _call(self.fn, self.policy, args, kwargs)
 
 
 def amp(fn: Callable, policy: Policy | str) -> Callable:

@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
+from .._compat import current_vmap
 from .._scopes import AMP_STOP_SCOPE
 from ._formats import E4M3, E5M2
 from ._quantize import (
@@ -240,6 +241,11 @@ def _static(lhs, rhs, dimension_numbers, scale, out_dtype) -> Array:
     scales = _static_scales(scale)
     dn = _normal_dn(dimension_numbers)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    on_batch = _on_whole_batch(
+        lambda lhs, rhs, dn: _static(lhs, rhs, dn, scales, out_dtype), lhs, rhs, dn
+    )
+    if on_batch is not None:
+        return on_batch
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), out_dtype)
     ranks = (jnp.ndim(lhs), jnp.ndim(rhs))
     # The lowering is part of the key: a jit traces once, and the backend decides it.
@@ -314,12 +320,49 @@ def fp8_dot_general_delayed(
     scales = (lhs_scale, rhs_scale, g_scale)
     dn = _normal_dn(dimension_numbers)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    on_batch = _on_whole_batch(
+        lambda lhs, rhs, dn, *scales: fp8_dot_general_delayed(
+            lhs, rhs, dn, *scales, out_dtype=out_dtype
+        ),
+        lhs,
+        rhs,
+        dn,
+        scales,
+    )
+    if on_batch is not None:
+        return on_batch
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), out_dtype)
     # The rank of every input: under `jax.vmap` JAX batches the jit into one of the
     # same name whose inputs have more axes (`delayed_dot_config` tells them apart).
     ranks = tuple(jnp.ndim(a) for a in jax.tree.leaves((lhs, rhs, scales)))
     treedef = jax.tree.structure(scales)
     return _delayed_op(dn, dtypes, treedef, ranks)(lhs, rhs, scales)
+
+
+def _on_whole_batch(op, lhs, rhs, dn, rest=()) -> Array | None:
+    """Under a `jax.vmap` that batches `lhs` only (not `rhs`, the weight, nor the
+    leaves of `rest`): `op(lhs, rhs, dn, *rest)` called once on the whole batch, the
+    batch one more free dimension of `lhs`, as a layer applied to a batch does, so
+    a tensor's scale and amax are the batch's and `amp` finds the op it knows (JAX
+    would batch the op's jit into one of more axes). None otherwise."""
+    frame = current_vmap()
+    if frame is None:
+        return None
+    lhs_b, lhs_dim = frame.split(lhs)
+    others = [frame.split(x) for x in jax.tree.leaves((rhs, rest))]
+    if lhs_dim is None or any(dim is not None for _, dim in others):
+        return None
+    rhs_v, *rest_v = [v for v, _ in others]
+    rhs_v = jax.tree.unflatten(jax.tree.structure(rhs), [rhs_v])
+    rest_v = jax.tree.unflatten(jax.tree.structure(tuple(rest)), rest_v)
+    (lc, rc), (lb, rb) = dn
+    shift = lambda dims: tuple(d + 1 for d in dims)
+    batched_dn = ((shift(lc), rc), (shift(lb), rb))
+    with frame.outside():
+        out = op(jnp.moveaxis(lhs_b, lhs_dim, 0), rhs_v, batched_dn, *rest_v)
+    # `dot_general`'s output: batch dimensions, then `lhs`'s free ones (the vmap's
+    # first among them), then `rhs`'s.
+    return frame.wrap(out, len(lb))
 
 
 # `fp8_dot_general_delayed` runs as a jit with a name of its own per configuration

@@ -4,16 +4,14 @@ The models are the recipes' own: `lowtrain.recipes.mnist.MLP` (784-512-512-10, b
 128) and `lowtrain.recipes.gpt.GPT` (4 layers, 4 heads, width 128, context 64, batch
 16, vocabulary 64, the blocks under `lax.scan`). `loss` is the float32 loss both are
 trained with; `hand_mlp_loss` and `hand_gpt_loss` are that loss with mixed precision
-written by hand in the style of jmp/mpx: parameters and inputs cast to the compute
-dtype, matmuls in half precision, and layer norm, the attention's query scaling and
-softmax, GELU (the erf form) and the cross-entropy upcast to float32 by hand and cast
-back before the next matmul. That is the placement `lowtrain.amp`'s default policy
-gives, so both compute the same loss (the step-time table checks it). With
-`f32_sums=True` the bias gradients (sums over the batch) also accumulate in float32,
-as `amp` sums them, where plain autodiff of the hand-placed loss sums them in half
-precision: the same forward pass, and the backward placement of `amp`. With
-`fp8=True` (`hand_gpt_loss`) every matmul runs through `lowtrain.fp8.fp8_dot_general`
-instead, called by hand at each einsum: the placement of `amp`'s "fp8" preset.
+written by hand as `torch.autocast` places it and `lowtrain.amp`'s default policy
+does: parameters kept in float32, each matmul on operands cast to the compute dtype
+(returning it), and everything else in the widest dtype of its inputs (float32 once
+a float32 bias, parameter or layer-norm output is among them), with layer norm, the
+attention's query scaling and softmax, GELU and the cross-entropy in float32. Both
+compute the same loss (the step-time table checks it). With `fp8=True`
+(`hand_gpt_loss`) every matmul runs through `lowtrain.fp8.fp8_dot_general` instead,
+called by hand at each einsum: the placement of `amp`'s "fp8" preset.
 """
 
 from __future__ import annotations
@@ -71,62 +69,28 @@ def cast_floats(tree: Any, dtype) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# Hand-placed mixed precision (jmp style)
+# Hand-placed mixed precision: casts written at the matmuls
 # --------------------------------------------------------------------------------------
-
-
-@jax.custom_vjp
-def _add_bias_f32_grad(y: jax.Array, bias: jax.Array) -> jax.Array:
-    """`y + bias`, whose bias gradient is summed over the batch in float32."""
-    return y + bias
-
-
-def _add_bias_fwd(y, bias):
-    return y + bias, None
-
-
-def _add_bias_bwd(_, g):
-    axes = tuple(range(g.ndim - 1))
-    return g, jnp.sum(g.astype(F32), axes).astype(g.dtype)
-
-
-_add_bias_f32_grad.defvjp(_add_bias_fwd, _add_bias_bwd)
-
-
-def _layer_norm_f32(ln, x: jax.Array) -> jax.Array:
-    """The recipe's `LayerNorm` computed in float32 (on float32 copies of its
-    half-precision parameters and of `x`)."""
-    return cast_floats(ln, F32)(x.astype(F32))
 
 
 @dataclass(frozen=True)
 class Matmuls:
-    """How the hand-placed GPT runs its matmuls: `half`, the dtype of the parameters
-    and of the activations between ops; `fp8`, each matmul through
-    `lowtrain.fp8.fp8_dot_general` (E4M3 operands, E5M2 cotangent, current scaling),
-    as a user injects FP8 into einsums by hand (Flax's `fp8_ops` style); `f32_sums`:
-    the bias gradients (sums over the batch) accumulate in float32, as under
-    `lowtrain.amp`'s policy, rather than in the dtype of the bias as plain autodiff
-    has it.
-
-    Under `amp`'s "fp8" preset a matmul takes its operands in whatever dtype they come
-    (a layer norm's float32 output is quantized to E4M3 from float32) and returns
-    the compute dtype; under "bf16"/"fp16" they are cast to the compute dtype first.
-    `operand` and `einsum` place them the same way here."""
+    """How the hand-placed models run their matmuls, as `lowtrain.amp` places them
+    (and `torch.autocast` does): the parameters stay float32; each matmul casts its
+    operands to `half` and returns `half`; every other op runs in the widest dtype of
+    its inputs (JAX's standard promotion: a float32 bias added to a `half` product
+    gives float32). `fp8`: each matmul a `lowtrain.fp8.fp8_dot_general` (E4M3
+    operands as they come, E5M2 cotangent, current scaling) returning `half`, as a
+    user injects FP8 into einsums by hand (Flax's `fp8_ops` style)."""
 
     half: Any
     fp8: bool = False
-    f32_sums: bool = False
-
-    def operand(self, x: jax.Array) -> jax.Array:
-        """`x` as a matmul takes it: cast to `half`, or as it is for FP8."""
-        return x if self.fp8 else x.astype(self.half)
 
     def einsum(self, spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-        """`jnp.einsum(spec, a, b)`, its `dot_general` in FP8 when `fp8` (which
-        returns `half` whatever the operands' dtypes, as under `amp`)."""
+        """`jnp.einsum(spec, a, b)` as a matmul of `half` operands returning `half`,
+        or in FP8 when `fp8`."""
         if not self.fp8:
-            return jnp.einsum(spec, a, b)
+            return jnp.einsum(spec, a.astype(self.half), b.astype(self.half))
         dot = self._fp8_dot_general
         return jnp.einsum(
             spec, a, b, preferred_element_type=self.half, _dot_general=dot
@@ -137,101 +101,79 @@ class Matmuls:
         return fp8_dot_general(lhs, rhs, dimension_numbers, out_dtype=self.half)
 
     def linear(self, layer: Linear, x: jax.Array) -> jax.Array:
-        """The recipe's `Linear` on `x` (the `Linear.__call__` einsum)."""
+        """The recipe's `Linear` on `x` (the `Linear.__call__` einsum, then its
+        float32 bias)."""
         y = self.einsum("...i,io->...o", x, layer.kernel)
-        if layer.bias is None:
-            return y
-        if self.f32_sums:
-            return _add_bias_f32_grad(y, layer.bias)
-        return y + jnp.broadcast_to(layer.bias, y.shape)
+        return y if layer.bias is None else y + jnp.broadcast_to(layer.bias, y.shape)
 
 
-def hand_mlp_loss(half, f32_sums: bool = False, fp8: bool = False) -> Callable:
-    """The MLP loss in mixed precision: `MLP.__call__` (Linear and ReLU) in `half`,
-    the cross-entropy in float32. `f32_sums`, `fp8`: see `Matmuls`."""
-    mm = Matmuls(jnp.dtype(half), fp8=fp8, f32_sums=f32_sums)
+def hand_mlp_loss(half, fp8: bool = False) -> Callable:
+    """The MLP loss in mixed precision: `MLP.__call__` with its matmuls in `half`
+    (`Matmuls`), the cross-entropy in float32."""
+    mm = Matmuls(jnp.dtype(half), fp8=fp8)
 
     def hand_loss(model: MLP, images: jax.Array, labels: jax.Array) -> jax.Array:
-        m = cast_floats(model, half)
-        x = images.astype(half).reshape(images.shape[0], 784)
-        for layer in m.layers[:-1]:
+        x = images.reshape(images.shape[0], 784)
+        for layer in model.layers[:-1]:
             x = jax.nn.relu(mm.linear(layer, x))
-        logits = mm.linear(m.layers[-1], x)
+        logits = mm.linear(model.layers[-1], x)
         return cross_entropy(logits, labels)  # upcasts the logits
 
     return hand_loss
 
 
 def _attention(block: Block, x: jax.Array, mm: Matmuls) -> jax.Array:
-    """`Block.attention` on the layer norm's float32 output `x`: projections in
-    half (or FP8), query scaling and softmax in float32 (`model.attention=fused`:
-    the whole attention one op in half precision, which computes its softmax in
-    float32)."""
+    """`Block.attention` with its matmuls in half (or FP8), the query scaling and
+    softmax in float32 (`model.attention=fused`: the whole attention one op in half
+    precision, which computes its softmax in float32)."""
     b, t, c = x.shape
     hs = c // block.n_head
     q, k, v = (
         a.reshape(b, t, block.n_head, hs)
-        for a in jnp.split(mm.linear(block.qkv, mm.operand(x)), 3, axis=-1)
+        for a in jnp.split(mm.linear(block.qkv, x), 3, axis=-1)
     )
     if block.fused:  # one op in half precision: cuDNN's kernel on a GPU, as in `amp`
+        q, k, v = (a.astype(mm.half) for a in (q, k, v))
         y = lowtrain.dot_product_attention(q, k, v, is_causal=True)
         return mm.linear(block.proj, y.reshape(b, t, c))
     # `/ sqrt(hs)` is a division, which the AMP policy runs in float32.
     att = mm.einsum("bqhd,bkhd->bhqk", q, k).astype(F32) / math.sqrt(hs)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), att.shape)
     att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)
-    y = mm.einsum("bhqk,bkhd->bqhd", mm.operand(att), v)
+    y = mm.einsum("bhqk,bkhd->bqhd", att, v)
     return mm.linear(block.proj, y.reshape(b, t, c))
 
 
-def _gelu(h: jax.Array) -> jax.Array:
-    """`jax.nn.gelu(h, approximate=False)` of a half-precision `h` as the AMP policy
-    places it: `erfc` and the product with it in float32. `amp` takes scalar
-    constants for weakly typed, so the products of `h` with 0.5 and with sqrt(1/2)
-    inside `jax.nn.gelu` stay in half precision; written so here too."""
-    sqrt_half = jnp.asarray(math.sqrt(0.5), h.dtype)
-    return 0.5 * h * lax.erfc((-h * sqrt_half).astype(F32))
-
-
 def _block(block: Block, x: jax.Array, mm: Matmuls) -> jax.Array:
-    """`Block.__call__` with half-precision `block` and `x`: layer norms and GELU in
-    float32, their outputs given to the matmuls as `mm.operand` places them."""
-    x = x + _attention(block, _layer_norm_f32(block.ln1, x), mm)
-    h = mm.linear(block.fc, mm.operand(_layer_norm_f32(block.ln2, x)))
-    return x + mm.linear(block.out, mm.operand(_gelu(h)))
+    """`Block.__call__`: its matmuls as `mm` places them; the layer norms and GELU
+    on float32 values (the biases are float32), in float32."""
+    x = x + _attention(block, block.ln1(x), mm)
+    h = mm.linear(block.fc, block.ln2(x))
+    return x + mm.linear(block.out, jax.nn.gelu(h, approximate=False))
 
 
 def _hand_gpt_logits(model: GPT, tokens: jax.Array, mm: Matmuls):
     """`GPT.__call__` in mixed precision; `model` holds float32 parameters."""
     b, t = tokens.shape
-    half = mm.half
-    # The embedding rows are gathered from the float32 table and cast (the same
-    # values as gathering from the cast table), so that the gather's gradient, a
-    # scatter-add, sums in float32 as the AMP policy has it.
-    rows = model.wte[tokens].astype(half)
-    m = cast_floats(model, half)
-    x = rows + jnp.broadcast_to(m.wpe[:t], (b, t, m.wpe.shape[1]))
-    params, static = eqx.partition(m.blocks, eqx.is_array)
-    if m.scan_layers:
+    x = model.wte[tokens] + jnp.broadcast_to(model.wpe[:t], (b, t, model.wpe.shape[1]))
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+    if model.scan_layers:
         step = lambda x, p: (_block(eqx.combine(p, static), x, mm), None)
         x, _ = lax.scan(step, x, params)
     else:
         for i in range(jax.tree.leaves(params)[0].shape[0]):
             layer = jax.tree.map(lambda a, i=i: a[i], params)
             x = _block(eqx.combine(layer, static), x, mm)
-    h = mm.operand(_layer_norm_f32(m.ln_f, x))
-    return mm.einsum("btc,vc->btv", h, m.wte)
+    return mm.einsum("btc,vc->btv", model.ln_f(x), model.wte)
 
 
-def hand_gpt_loss(
-    half, f32_sums: bool = False, fp8: bool = False, lean: bool = False
-) -> Callable:
-    """The GPT loss with mixed precision placed by hand: parameters and activations
-    in `half`; `fp8`: every matmul through `lowtrain.fp8` (the "fp8" policy's
-    placement, `half` bfloat16). `f32_sums`: see `Matmuls`. `lean`: the loss of
+def hand_gpt_loss(half, fp8: bool = False, lean: bool = False) -> Callable:
+    """The GPT loss with mixed precision placed by hand: matmuls in `half`, the rest
+    in float32 (`Matmuls`); `fp8`: every matmul through `lowtrain.fp8` (the "fp8"
+    policy's placement, `half` bfloat16). `lean`: the loss of
     `model.cross_entropy=lean` (`recipes.gpt.cross_entropy` on the `half` logits)
     instead of float32 logits. `twin` picks these arguments for an `amp` preset."""
-    mm = Matmuls(jnp.dtype(half), fp8=fp8, f32_sums=f32_sums)
+    mm = Matmuls(jnp.dtype(half), fp8=fp8)
     ce = lean_cross_entropy if lean else cross_entropy
 
     def hand_loss(model: GPT, tokens: jax.Array, targets: jax.Array) -> jax.Array:
@@ -248,8 +190,8 @@ def hand_gpt_loss(
 @dataclass
 class Case:
     """A model, its loss in hand-placed mixed precision, and a batch (the float32
-    loss is `loss` for every case). `hand_loss(half, f32_sums=False, fp8=False)`
-    returns the hand-placed loss (`twin` calls it for a preset)."""
+    loss is `loss` for every case). `hand_loss(half, fp8=False)` returns the
+    hand-placed loss (`twin` calls it for a preset)."""
 
     name: str
     model: eqx.Module
@@ -308,13 +250,11 @@ def half_residuals(policy: str) -> lowtrain.Policy:
 
 def variant_losses(case: Case, policy: str) -> dict[str, Callable]:
     """The losses compared for `case` under `policy`: amp (saving all residuals, and
-    saving only half-precision ones), by hand, and by hand with the bias gradients
-    summed in float32 as amp sums them."""
+    saving only half-precision ones) and by hand."""
     return {
         "amp": lowtrain.amp(loss, policy),
         "amp_half": lowtrain.amp(loss, half_residuals(policy)),
         "hand": twin(case.hand_loss, policy),
-        "hand_f32_sums": twin(case.hand_loss, policy, f32_sums=True),
     }
 
 

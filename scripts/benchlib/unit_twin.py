@@ -6,15 +6,14 @@ TransformerDecoder`) under `lowtrain.amp`'s "bf16" / "fp16" policy; `gpt_unit_fp
 first rewrites every matmul but the readout's into `uu.fp8_cast_op` (E4M3 operands,
 E5M2 cotangent, scale 1: `precision=fp8_naive`, `keep: [projection]`), then runs the
 "bf16" policy. `hand_unit_loss` writes the same model with the casts in the code, as
-one writes a unit-scaled model in half precision without lowtrain's transforms:
-parameters cast to the half dtype; every matmul on half operands, returning half
+one writes a unit-scaled model in mixed precision without lowtrain's transforms:
+parameters kept in float32; every matmul on operands cast to half, returning half
 (for unit_fp8 a `lowtrain.fp8.fp8_dot_general` with scale 1 called by hand, on the
-operands as they come);
-the ops `amp`'s policy runs in float32 upcast by hand (the RMS norms' mean and
-rsqrt, the attention softmax, SiLU's sigmoid and the products after it). The
+operands as they come); every other op in the widest dtype of its inputs, and the
+ops `amp`'s policy runs in float32 upcast by hand (the RMS norms' mean and rsqrt,
+the attention softmax, SiLU's sigmoid and the products after it). The
 unit-scaling ops that decide no precision (`U.scale_fwd`, `U.scale_bwd`,
-`U.residual_apply`, `U.embedding`, `U.cross_entropy`) are the library's own, called
-on the half-precision arrays.
+`U.residual_apply`, `U.embedding`, `U.cross_entropy`) are the library's own.
 
 The result is the Trainer's loss to the last bit (`tests/test_bench.py`), so the
 bench's lowtrain / hand ratio measures what the transforms cost, not a different
@@ -41,8 +40,6 @@ from lowtrain.unit_scaling._attention import _attention_scale
 from lowtrain.unit_scaling._core import leading_size
 from lowtrain.unit_scaling._residual import next_stream_scale
 from lowtrain.unit_scaling._swiglu import folds
-
-from .models import cast_floats
 
 F32 = jnp.float32
 
@@ -100,8 +97,8 @@ def _linear(mm: UnitMatmuls, layer, x, scope: str, output_power: float = 0.5):
 
 
 def _rms_norm(norm: uu.RMSNorm, x):
-    """`uu.RMSNorm` (no weight) of a half `x`, as `amp` places it: the square in
-    half, its mean and the rsqrt in float32, the product in float32."""
+    """`uu.RMSNorm` (no weight) of the stream `x`, as `amp` places it: the mean and
+    the rsqrt in float32, the square and the product in the widest dtype."""
     if norm.weight is not None:
         raise _not_the_unit_gpt("weightless RMS norms", "an RMS norm with a weight")
     axes = tuple(range(x.ndim - len(norm.shape), x.ndim))
@@ -191,21 +188,18 @@ def hand_unit_loss(
     half, fp8: bool = False, keep: Sequence[str] = ("projection",)
 ) -> Callable:
     """The unit-scaled GPT's loss (`U.cross_entropy`, as `UnitGptTrainer` has it)
-    with mixed precision placed by hand: parameters and matmuls in `half`; with
-    `fp8`, every matmul but those of the sublayers in `keep` through
-    `uu.fp8_cast_op` (unit_fp8's placement)."""
+    with mixed precision placed by hand: parameters in float32, each matmul on
+    operands cast to `half`; with `fp8`, every matmul but those of the sublayers in
+    `keep` an FP8 matmul with static scale 1 (unit_fp8's placement)."""
     mm = UnitMatmuls(jnp.dtype(half), fp8=fp8, keep=tuple(keep))
 
     def hand_loss(model: uu.TransformerDecoder, tokens, targets):
-        # The rows gathered from the float32 table and cast (the values of a lookup
-        # in the cast table), so that the lookup's gradient, a scatter-add, sums
-        # in float32 as under `amp`.
-        x = U.embedding(tokens, model.embedding.weight).astype(mm.half)
-        m = cast_floats(model, mm.half)
-        for layer in m.layers.layers:
+        # The parameters stay float32: the stream starts as float32 rows.
+        x = U.embedding(tokens, model.embedding.weight)
+        for layer in model.layers.layers:
             x = _layer(mm, layer, x)
-        h = _rms_norm(m.final_norm, x)
-        logits = _linear(mm, m.projection, h, "projection", output_power=1.0)
+        h = _rms_norm(model.final_norm, x)
+        logits = _linear(mm, model.projection, h, "projection", output_power=1.0)
         return U.cross_entropy(logits.astype(F32), targets)
 
     return hand_loss
