@@ -5,8 +5,8 @@
     python -m lowtrain -m recipe=mnist precision=fp32,bf16,fp16,fp8
 
 The configs are in `conf/` (installed as `lowtrain.conf`), their types in
-`lowtrain/recipes/_config.py`, the code in `lowtrain/recipes/`. See the README's
-"Recipes" section.
+`lowtrain/recipes/_config.py`, the code in `lowtrain/recipes/`. See the "Recipes
+and the CLI" guide (docs/guides/recipes.md).
 """
 
 import hydra

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-# JAX 0.10 and 0.11: inside `jax.vmap` the current trace (`core.trace_ctx.trace`) is a
+# JAX 0.10 to 0.12: inside `jax.vmap` the current trace (`core.trace_ctx.trace`) is a
 # `BatchTrace`: `to_batch_info(x)` gives a value's batched array and batch dimension
 # (None where this vmap does not batch it), `parent_trace` is the trace around the
 # vmap, `axis_data` holds its axis name (`core.no_axis_name` when unnamed), size and
@@ -28,11 +28,11 @@ from jax._src import api_util as _api_util
 from jax._src import core as _core
 from jax._src import linear_util as _lu
 
-# JAX 0.10 and 0.11: a custom_vjp backward rule may return `ad_util.Zero` placeholders
+# JAX 0.10 to 0.12: a custom_vjp backward rule may return `ad_util.Zero` placeholders
 # for inputs that get no cotangent.
 from jax._src.ad_util import Zero as _Zero
 
-# JAX 0.10 and 0.11: `jax.custom_batching.custom_vmap` binds `custom_vmap_call`, whose
+# JAX 0.10 to 0.12: `jax.custom_batching.custom_vmap` binds `custom_vmap_call`, whose
 # primitive `jax.extend` does not expose; its body `call` is a `ClosedJaxpr` in 0.10
 # and an open `Jaxpr` in 0.11, constants passed as arguments in both
 # (`custom_vmap_body`).
@@ -40,20 +40,20 @@ from jax._src.custom_batching import custom_vmap_p as custom_vmap_p
 from jax._src.custom_batching import vmap_unrestricted as _vmap_unrestricted
 from jax._src.interpreters import batching as _batching
 
-# JAX 0.10 and 0.11: a name stack is a tuple of `Scope` (from `jax.named_scope`) and
+# JAX 0.10 to 0.12: a name stack is a tuple of `Scope` (from `jax.named_scope`) and
 # `Transform` (jvp, transpose, ...) entries; the name stack of an equation inside a
 # sub-jaxpr is relative to the equation that holds it.
 from jax._src.source_info_util import Scope as _Scope
 from jax._src.source_info_util import Transform as _Transform
 
-# JAX 0.10.2 and 0.11.2: `summarize(source_info)`
+# JAX 0.10.2, 0.11.2 and 0.12.0: `summarize(source_info)`
 # formats the innermost frame outside JAX as "file:line:column (function)".
 from jax._src.source_info_util import summarize as _summarize_source
 from jax._src.source_info_util import (
     transform_name_stack as _transform_name_stack,
 )
 
-# JAX 0.10 and 0.11: `jax.extend.core` exposes the primitives of every higher-order op.
+# JAX 0.10 to 0.12: `jax.extend.core` exposes the primitives of every higher-order op.
 # The jit primitive was called `pjit` before JAX 0.7 and `jit` since; the remat
 # primitive is `remat2` (its Python name `remat_p`). We support JAX >= 0.10 only
 # (see pyproject).
@@ -104,8 +104,8 @@ KNOWN_PARAMS: dict[str, frozenset[str]] = {
         }
     ),
     # JAX 0.10: the constants and carry are counted by `num_consts`/`num_carry`;
-    # JAX 0.11: the input and output groups are `FlatTree`s `ft_in`/`ft_out` (read
-    # by `scan_inputs`).
+    # JAX 0.11 and 0.12: the input and output groups are `FlatTree`s `ft_in` and
+    # `ft_out` (read by `scan_inputs`).
     "scan": frozenset({"jaxpr", "length", "reverse", "unroll"})
     | (
         {"num_consts", "num_carry"} if _jax_version() < (0, 11) else {"ft_in", "ft_out"}
@@ -175,7 +175,7 @@ def enter_name_stack(eqn: JaxprEqn):
     """Re-enter `eqn`'s name stack on top of the current one: its `jax.named_scope`s
     and JAX's transform names (`transpose(...)` marks a backward pass), so a program
     an interpreter re-emits keeps both (`lowtrain.numerics` reads the pass from it)."""
-    # JAX 0.10.2 and 0.11.2: `name_stack.stack` holds `Scope`s and
+    # JAX 0.10.2, 0.11.2 and 0.12.0: `name_stack.stack` holds `Scope`s and
     # `Transform`s in order; `transform_name_stack` pushes a `Transform` as JAX's
     # `jvp`/`transpose` do.
     with contextlib.ExitStack() as stack:
@@ -191,7 +191,7 @@ def eqn_name_stack(eqn: JaxprEqn) -> str:
     """The name stack of `eqn` as JAX prints it, `jax.named_scope` names and
     transforms: `"jvp(outer)/inner"` for an op in `named_scope("inner")` inside
     `named_scope("outer")`, under `jax.jvp`; `""` for none."""
-    # JAX 0.10.2 and 0.11.2 (`tests/test_compat.py` says if it differs):
+    # JAX 0.10.2, 0.11.2 and 0.12.0 (`tests/test_compat.py` says if it differs):
     # `source_info.name_stack` is a `NameStack` whose `str` joins the scopes with "/"
     # and wraps them in each transform's name.
     return str(eqn.source_info.name_stack)
@@ -200,7 +200,7 @@ def eqn_name_stack(eqn: JaxprEqn) -> str:
 def eqn_source_line(eqn: JaxprEqn) -> str:
     """Where `eqn` was traced, as `"path/file.py:line:column (function)"` (the form
     `jax.ad_checkpoint.print_saved_residuals` prints), user frames only."""
-    # JAX 0.10.2 and 0.11.2: `source_info_util.summarize` picks the innermost
+    # JAX 0.10.2, 0.11.2 and 0.12.0: `source_info_util.summarize` picks the innermost
     # frame outside JAX itself from the traceback JAX records on each equation.
     return _summarize_source(eqn.source_info)
 
@@ -208,7 +208,7 @@ def eqn_source_line(eqn: JaxprEqn) -> str:
 def short_type(aval) -> str:
     """An abstract value's type in JAX's short notation, such as `"f32[16,64]"` or
     `"bf16[]"` (as `print_saved_residuals` and jaxprs print them)."""
-    # JAX 0.10.2 and 0.11.2: `ShapedArray.str_short(short_dtypes=True)`, a
+    # JAX 0.10.2, 0.11.2 and 0.12.0: `ShapedArray.str_short(short_dtypes=True)`, a
     # method of JAX's internal `core.ShapedArray`.
     return aval.str_short(short_dtypes=True)
 
@@ -216,7 +216,7 @@ def short_type(aval) -> str:
 def custom_vmap_body(params: dict[str, Any]) -> ClosedJaxpr:
     """The body of a `custom_vmap_call`, closed (see the import above)."""
     call = params["call"]
-    # JAX 0.10: a `ClosedJaxpr`; JAX 0.11: a `Jaxpr` with no constants of its own.
+    # JAX 0.10: a `ClosedJaxpr`; JAX 0.11 and 0.12: a `Jaxpr` with no constants.
     return call if isinstance(call, ClosedJaxpr) else ClosedJaxpr(call, ())
 
 
@@ -226,7 +226,7 @@ def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple:
     The jaxpr takes `(*primals, *tangents)` (constants excluded, every tangent
     instantiated) and returns `(*primal_outs, *nonzero_tangent_outs)`.
     """
-    # JAX 0.10 and 0.11: `jvp_jaxpr_fun` is a `lu.WrappedFun` taking one "is symbolic
+    # JAX 0.10 to 0.12: `jvp_jaxpr_fun` is a `lu.WrappedFun` taking one "is symbolic
     # zero" flag per primal and returning (jaxpr, consts, out_zeros).
     jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
         *([False] * num_args)
@@ -243,13 +243,13 @@ def custom_vjp_rule_parts(params: dict[str, Any], num_args: int) -> tuple:
     or None; `bwd(*residuals, *cotangents)` returns one cotangent per primal, with None
     where the rule returned a symbolic zero.
     """
-    # JAX 0.10 and 0.11: `fwd_jaxpr_thunk` is a `lu.WrappedFun` taking one "is nonzero"
+    # JAX 0.10 to 0.12: `fwd_jaxpr_thunk` is a `lu.WrappedFun` taking one "is nonzero"
     # flag per primal; `out_trees()` returns (out_tree, res_tree, input_forwards) once
     # the forward has been traced; `bwd` is a `lu.WrappedFun` over flat arguments.
     jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * num_args))
     _, _, res_forwards = params["out_trees"]()
     bwd_fun = params["bwd"]
-    # JAX 0.10: `bwd` returns the flat cotangents. JAX 0.11: it returns the pair
+    # JAX 0.10: `bwd` returns the flat cotangents. JAX 0.11, 0.12: it returns the pair
     # `(cotangents, logs)` (`custom_vjp.defvjp_with_logs`); the logs are dropped, as
     # a plain `jax.vjp` drops them.
     returns_logs = _jax_version() >= (0, 11)
@@ -275,8 +275,8 @@ def scan_inputs(params: dict[str, Any], args: Sequence) -> tuple:
     are the final carry (`len(init)` of them), then the stacked `ys`."""
     if "num_consts" in params:  # JAX 0.10: the two counts are parameters
         n_consts, n_carry = params["num_consts"], params["num_carry"]
-    else:  # JAX 0.11: `ft_in`, a `FlatTree`, packs the groups (consts, carry, xs);
-        # iterating one group yields its leaves, one per input.
+    else:  # JAX 0.11, 0.12: `ft_in`, a `FlatTree`, packs the groups (consts,
+        # carry, xs); iterating one group yields its leaves, one per input.
         consts, carry, _ = params["ft_in"].unpack()
         n_consts, n_carry = len(list(consts)), len(list(carry))
     args, end = tuple(args), n_consts + n_carry
@@ -285,10 +285,10 @@ def scan_inputs(params: dict[str, Any], args: Sequence) -> tuple:
 
 def check_version() -> None:
     """Raise if the installed JAX is outside the range this module was written for."""
-    if not (0, 10) <= _jax_version() < (0, 12):
+    if not (0, 10) <= _jax_version() < (0, 13):
         raise ImportError(
-            f"lowtrain supports JAX 0.10.x and 0.11.x, got jax {jax.__version__} "
-            "instead. Install a supported version: `pip install 'jax>=0.10,<0.12'`."
+            f"lowtrain supports JAX 0.10.x to 0.12.x, got jax {jax.__version__} "
+            "instead. Install a supported version: `pip install 'jax>=0.10,<0.13'`."
         )
 
 
@@ -301,7 +301,7 @@ def make_value_identity_primitive(name: str, impl, transpose):
     lowtrain's scalify ops (dynamic rescaling, scaled FP8 casts) are such primitives:
     the identity (or a rounding) on values, which the scalify interpreter recognises.
     """
-    # JAX 0.10 and 0.11: `jax.interpreters.{ad,batching,mlir}` keep these helpers.
+    # JAX 0.10 to 0.12: `jax.interpreters.{ad,batching,mlir}` keep these helpers.
     from jax.interpreters import ad, batching, mlir
 
     prim = Primitive(name)
@@ -316,7 +316,7 @@ def make_value_identity_primitive(name: str, impl, transpose):
 def saved_residual_avals(fn, *args) -> list:
     """The types of the residuals `jax.vjp(fn, *args)` saves for the backward pass
     (what `jax.ad_checkpoint.print_saved_residuals` prints), for measuring memory."""
-    # JAX 0.10 and 0.11: `print_saved_residuals` prints what this function returns,
+    # JAX 0.10 to 0.12: `print_saved_residuals` prints what this function returns,
     # a list of (aval, description) pairs.
     from jax._src.ad_checkpoint import saved_residuals
 

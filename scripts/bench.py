@@ -45,9 +45,23 @@ it (`scripts/benchlib/throughput.py`) and its compiled step is timed:
   fp32's, the largest lowtrain / hand and fit / plain; met or missed (speed and
   memory of low precision get no verdict on a CPU, which emulates it).
 
-`--gemm` measures instead where an FP8 GEMM pays: one linear layer's forward and
-backward at widths 256 to 8192, in bf16 and FP8 (current and static scaling), with
-the break-even width (`benchlib/gemm.py`; `gemm.md`, `gemm.json`).
+Other measurements are commands (`python scripts/bench.py COMMAND --help`):
+
+- `gemm`: where an FP8 GEMM pays: one linear layer's forward and backward at
+  widths 256 to 8192, in bf16 and FP8 (current and static scaling), with the
+  break-even width (`benchlib/gemm.py`);
+- `vmap`: `jax.vmap(amp(model))` (the per-example Equinox way) against
+  `amp(jax.vmap(model))`, and the Trainer with a per-example loss against a batched
+  model: step time and temporary memory (`benchlib/vmap_cost.py`);
+- `amp`: `lowtrain.amp` against the same mixed precision written by hand on the
+  recipes' MLP and GPT: step time, trace and compile time, saved residuals
+  (`benchlib/amp_hand.py`);
+- `scalify`, `unit`, `numerics`: the cost of `lowtrain.scalify`, of unit scaling
+  and of `lowtrain.numerics.track` against the plain step of the same dtype;
+- `twin-hlo`: what the compiled lowtrain step does that its hand-cast twin does not
+  (XLA's fusions and bytes);
+- `saved-bytes`: the bytes each precision's loss saves for the backward pass, by
+  dtype, at any model size (traced on shapes only).
 
 Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`; with
 `--save-hlo DIR` each step's optimized HLO too. A case that fails (out of memory,
@@ -60,7 +74,8 @@ say) is a table row saying why, and the script exits non-zero after the others.
     python scripts/bench.py --models gpt_1b,gpt_4k --precisions bf16,fp8,unit_fp8
     python scripts/bench.py --models gpt_small --precisions bf16,fp8 \\
         --set precision.min_dim=1024        # Hydra overrides for every case
-    python scripts/bench.py --gemm               # FP8's break-even width
+    python scripts/bench.py gemm                 # FP8's break-even width
+    python scripts/bench.py vmap                 # per-example against batched
 """
 
 from __future__ import annotations
@@ -75,7 +90,21 @@ import tempfile
 import time
 
 import jax
-from benchlib import benchtable, gemm, overhead, report, throughput, timing
+from benchlib import (
+    amp_hand,
+    benchtable,
+    gemm,
+    numerics_step,
+    overhead,
+    report,
+    saved_bytes,
+    scalify_step,
+    throughput,
+    timing,
+    twin_hlo,
+    unit_step,
+    vmap_cost,
+)
 
 PRECISIONS = list(throughput.RECIPES)
 MODELS = ["gpt", "gpt_small", "gpt_1b", "gpt_4k"]
@@ -115,14 +144,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--save-hlo", default=None, help="folder for each step's optimized HLO text"
-    )
-    parser.add_argument(
-        "--gemm",
-        action="store_true",
-        help="instead: one linear layer's GEMMs in bf16 and FP8 by width (break-even)",
-    )
-    parser.add_argument(
-        "--gemm-tokens", type=int, default=16384, help="rows of the --gemm inputs"
     )
     throughput.add_set_argument(parser, "case", "precision.residuals=half")
     args = parser.parse_args(argv)
@@ -238,24 +259,11 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
     return {"model": model_name, "precision": precision, "error": error}
 
 
-def run_gemm(args, out: pathlib.Path) -> None:
-    """`--gemm`: the GEMM table (`benchlib.gemm`) to gemm.md and gemm.json."""
-    quick = dict(widths=(32, 64), reps=2, rounds=2) if args.quick else {}
-    tokens = 64 if args.quick else args.gemm_tokens
-    rows = gemm.measure(tokens, **quick)
-    device = jax.devices()[0].device_kind
-    table = f"Machine: {report.machine()}\nDevice: {device}\n\n{gemm.markdown(rows)}"
-    (out / "gemm.md").write_text(table + "\n")
-    (out / "gemm.json").write_text(json.dumps({"device": device, "rows": rows}))
-    print(table)
-
-
-def main(argv=None) -> None:
+def step_main(argv=None) -> None:
+    """The step benchmark (the default command): see the module docstring."""
     args = parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.gemm:
-        return run_gemm(args, out)
     gpu = jax.default_backend() == "gpu"
     isolate = args.isolate == "yes" or (args.isolate == "auto" and gpu)
     start = time.perf_counter()
@@ -285,6 +293,31 @@ def main(argv=None) -> None:
     )
     if failed := [f"{r['model']}/{r['precision']}" for r in rows if "error" in r]:
         sys.exit(f"{len(failed)} case(s) failed: {', '.join(failed)} (see the table)")
+
+
+# The commands besides the step benchmark: each a module of `benchlib` with
+# `main(argv)` and the docstring that says what it measures.
+COMMANDS = {
+    "gemm": gemm,
+    "vmap": vmap_cost,
+    "amp": amp_hand,
+    "scalify": scalify_step,
+    "unit": unit_step,
+    "numerics": numerics_step,
+    "twin-hlo": twin_hlo,
+    "saved-bytes": saved_bytes,
+}
+
+
+def main(argv=None) -> None:
+    """`bench.py [COMMAND] [options]`: the step benchmark, or one of `COMMANDS`."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]].main(argv[1:])
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return
+    return step_main(argv)
 
 
 if __name__ == "__main__":

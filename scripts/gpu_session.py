@@ -1,44 +1,41 @@
-"""Issue 13's GPU measurements as one prepared call of the `device` tool, within a
-deadline: the stages in the order that answers the most per minute of device time,
-each bounded by the time left, each stage's result written as soon as it ends.
+"""A benchmark runner with a deadline: the GPU measurements of docs/performance.md
+as stages run one after another within a time budget (a rented or shared GPU for a
+few minutes), each bounded by the time left, each stage's result written as soon as
+it ends, so a run cut short keeps what it finished.
 
-Here, once (downloads the wheels the GPU machine lacks, copies the char data):
+Once, where pip reaches PyPI (downloads the wheels a bare GPU machine lacks: Hydra,
+OmegaConf, antlr4; copies the char data):
 
     python scripts/gpu_session.py --prepare
 
-It prints the `run` call to make. There (the `device` tool's `run`, carrying `.whl`
-and `.gpu_cache`, with a `timeout_s` a little above the deadline):
+On the GPU machine (the wheels in `.whl`, the data in `.gpu_cache`):
 
-    python3 scripts/gpu_session.py --out "$OUT" --deadline 570
-    python3 scripts/gpu_session.py --out "$OUT" --deadline 250 --stages recipes,twin_hlo
+    python3 scripts/gpu_session.py --out OUT --deadline 560
+    python3 scripts/gpu_session.py --out OUT --deadline 250 --stages gemm,delayed
 
 A stage starts only if the time left is at least its `min_s`, and is killed at the
 deadline (the bench writes each row as it is measured, so a stage cut short keeps its
 finished rows). What comes back under `--out`: `summary.md` (each stage's exit
-status, time and table: bench.md, the pytest summary, the recipe's final losses),
-`session.log` (everything printed) and `gpu_session.tar.gz` (each stage's files:
-bench.json, bench.png, logs). The last line names the stages not run, to pass as
-`--stages` to the next call. Stages, in the order of what is still unmeasured after
-the H200 run of 2026-11-26 (docs/performance.md; `--list` prints the estimates):
+status, time and table), `session.log` (everything printed) and
+`gpu_session.tar.gz` (each stage's files: bench.json, bench.png, HLO, logs). The
+last line names the stages not run, to pass as `--stages` to the next call. The
+stages, in order (`--list` prints them with their time estimates on an H100):
 
 - `env`: the GPU, the driver, JAX and the libraries' versions;
-- `small_fp8`: gpt_small in bf16, fp8 and fp8_delayed (delayed scaling, new since
-  that run), one bench run: the fp8 1.3x target;
-- `gpt`: the char-GPT in every precision: lowtrain / hand and `Trainer.fit` / plain;
-- `small_rest`: gpt_small in scalify_fp8 and unit_fp16, the rows that run missed;
+- `small_bf16`: gpt_small in bf16 at batch 32 with the lean cross-entropy: MFU and
+  lowtrain / hand;
+- `big_1b`, `big_4k`: gpt_1b and gpt_4k in bf16, fp8 and unit_fp8 (FP8 against
+  bf16 where the GEMMs are large);
+- `small_fp8`: gpt_small in fp8 and unit_fp8 (their optimized HLO kept);
+- `gemm`: `bench.py gemm`, one linear layer's GEMMs in bf16 and FP8 by width (the
+  break-even width);
+- `profile_bf16`: `scripts/profile_step.py` on gpt_small's bf16 step, its device
+  ops by name;
+- `delayed`: fp8_delayed at gpt_small and gpt_1b (HLO kept: does any pass read a
+  tensor only for its amax);
+- `gpu_tests`: `pytest -m gpu`;
 - `small_unrolled`: gpt_small bf16 with its layers unrolled, against the scanned
-  row (the MFU target);
-- `profile_fp8`: `scripts/profile_step.py` on gpt_small's fp8 step, its device ops
-  by name (the fp8 1.3x target);
-- `gpu_tests`: `pytest -m gpu` (FP8 GEMMs on Hopper forward and backward, cuDNN
-  attention under amp, the bench's fp8 row all FP8 GEMMs);
-- `recipes`: `recipe=gpt_gpu_fp8` to the end, its matmuls FP8 GEMMs now (the
-  results.md line predates them), for docs/results.md;
-- `recipes_delayed`: `recipe=gpt_gpu_fp8_delayed` to the end, for docs/results.md;
-- `twin_hlo`: what the GPU's XLA makes of each step against its hand-cast twin;
-- `small_core`: `bench.py --models gpt_small --precisions fp32,bf16,fp8`: the bf16 2x,
-  fp8 1.3x, MFU and lowtrain / hand targets (measured then: a rerun);
-- `small_half`: bf16 with `precision.residuals=half`: the memory (measured then).
+  row.
 """
 
 from __future__ import annotations
@@ -73,7 +70,7 @@ class Stage:
     name: str
     argv: tuple[str, ...]  # run in the repository root; {work} is the stage's folder
     min_s: int  # not started with less time left than this
-    estimate_s: int  # the 2026-11-26 H200 run's stage times; else a guess
+    estimate_s: int  # the stage's time on an H100 where measured; else a guess
     what: str
 
 
@@ -123,7 +120,7 @@ STAGES = [
     ),
     Stage(
         "gemm",
-        _bench("--gemm"),
+        ("python3", "scripts/bench.py", "gemm", "--out", "{work}"),
         30,
         40,
         "one linear layer's GEMMs in bf16 and FP8 by width: FP8's break-even",

@@ -1,4 +1,5 @@
-"""The numerics reports of the three FP8 GPT recipes, side by side (docs/numerics.md).
+"""The numerics reports of the three FP8 GPT recipes, side by side (the numerics
+guide, docs/guides/numerics.md).
 
 Runs `gpt_fp8`, `gpt precision=fp8_naive` and `gpt_scalify_fp8` for `--steps` steps
 with `trainer.numerics_every` (a report of the loss-and-gradient program before the

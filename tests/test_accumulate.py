@@ -72,7 +72,7 @@ def test_micro_batch_i_takes_every_kth_row():
 
 
 def test_a_nonfinite_micro_batch_skips_the_whole_step_under_fp16():
-    trainer = Mse(make_model(), SGD(0.05), policy="fp16", grad_accum=4)
+    trainer = Mse(make_model(), SGD(0.05), precision="fp16", grad_accum=4)
     state = trainer.init(key=jax.random.key(1))
     state, _ = trainer.compiled_step(trainer.shard_batch(batch_of(32)), state)
     before = snapshot((state.model, state.opt_state.inner_state))
@@ -96,7 +96,7 @@ def test_redo_on_nan_redoes_all_micro_batches():
     # At 2**24 this float16 backward overflows; redos halve the scale of all 4
     # micro-batches until it does not.
     ls = lowtrain.DynamicLossScale(2.0**24)
-    kwargs = dict(policy="fp16", loss_scale=ls, grad_accum=4)
+    kwargs = dict(precision="fp16", loss_scale=ls, grad_accum=4)
     plain = Mse(make_model(), SGD(0.01), **kwargs)
     state, (metrics,) = train(plain, [batch_of(32)])
     assert not bool(metrics["grads_finite"]) and int(state.skipped) == 1

@@ -1,9 +1,8 @@
-"""`scripts/bench.py`, the one benchmark command, end to end on a tiny GPT (a
-subprocess, as users run it)."""
+"""`scripts/bench.py` and its `benchlib`: the hand-cast twins, the targets, the
+commands besides the step benchmark (slow: `pytest -m slow`)."""
 
 import gzip
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -12,7 +11,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from .test_bench_smoke import ROOT, check_row, run_bench
+
+# The benchmark tools' own tests: slow, run with `pytest -m slow` (the default suite
+# runs `tests/test_bench_smoke.py`).
+pytestmark = pytest.mark.slow
+
 # The precisions with a hand-cast twin: all but scalify_fp8 and fp8_delayed.
 TWINS = (
     "fp32",
@@ -26,60 +30,6 @@ TWINS = (
 )
 
 
-def run_bench(out, *args):
-    command = [sys.executable, str(ROOT / "scripts" / "bench.py"), "--quick"]
-    subprocess.run(
-        [*command, "--out", str(out), *args], check=True, capture_output=True
-    )
-    return json.loads((out / "bench.json").read_text())
-
-
-def check_row(row, precision):
-    assert row["model"] == "quick" and row["precision"] == precision
-    assert (row["batch"], row["context"], row["timed_steps"]) == (4, 16, 20)
-    # 1 layer of width 32 (12 * 32**2 + 13 * 32) and the tied 65 x 32 embedding.
-    assert row["parameters"] == 12 * 32**2 + 13 * 32 + 65 * 32 + 2 * 32
-    attention = 12 * 1 * 32 * 16
-    assert row["flops_per_step"] == (6 * row["parameters"] + attention) * 4 * 16
-    assert row["tokens_per_s"] == pytest.approx(4 * 16 / row["step_s"])
-    assert row["step_s"] > 0 and row["compile_s"] > 0 and row["loss"] > 0
-    assert row["memory_bytes"] > 0
-    over = row["overhead"]
-    assert over["ratio"] == pytest.approx(over["fit_s"] / over["plain_s"])
-    assert over["log_every"] == 25 and over["steps"] == 20
-
-
-# In the default run (20 s on one core: three compiles, then 200 steps): the one
-# command runs end to end on a CPU, files and targets included.
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU columns")
-def test_bench_quick_fp32_on_cpu(tmp_path):
-    result = run_bench(tmp_path, "--precisions", "fp32")
-    (row,) = result["rows"]
-    check_row(row, "fp32")
-    # The hand-written twin of fp32 is the plain float32 step.
-    assert row["vs_hand"] == pytest.approx(row["step_s"] / row["hand_step_s"])
-    # No peak for a CPU, XLA's analysis for memory, no cuBLASLt.
-    assert row["mfu"] is None and row["memory_source"] == "XLA memory analysis"
-    assert row["fp8_gemms"] is None and row["gemms"] is None
-    assert row["wide_dots"] > 0  # a CPU multiplies dequantized values
-    # The targets of the tiny GPT: the twin and fit ratios (speed targets are the
-    # GPU sizes').
-    targets = {t["target"]: t for t in result["targets"]}
-    assert set(targets) == {
-        "lowtrain within 1.03x of its hand-cast twin",
-        "`Trainer.fit` <= 1.05x a plain loop",
-    }
-    twin = targets["lowtrain within 1.03x of its hand-cast twin"]
-    assert (twin["value"], twin["precision"]) == (row["vs_hand"], "fp32")
-    assert twin["verdict"] == ("met" if row["vs_hand"] <= 1.03 else "missed")
-    table = (tmp_path / "bench.md").read_text()
-    assert "| quick | fp32 | 0.01M | 4 x 16 |" in table
-    assert "| unknown |" in table and "not applicable (CPU)" in table
-    assert "fit / plain" in table
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-
-
-@pytest.mark.slow
 def test_bench_quick_every_precision(tmp_path):
     result = run_bench(tmp_path, "--isolate", "yes")
     rows = {row["precision"]: row for row in result["rows"]}
@@ -424,28 +374,6 @@ def test_unit_twin_says_which_model_it_writes(monkeypatch):
         unit_twin.hand_unit_loss(jnp.bfloat16)(gpt, tokens, tokens)
 
 
-def test_fp8_gemm_patterns_compute_the_same_products(monkeypatch):
-    # scripts/fp8_gemm_patterns.py compares ways of writing one FP8 matmul: each must
-    # be the bf16 product up to FP8 rounding, at each of its shapes (scaled down).
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import fp8_gemm_patterns as fgp
-
-    keys = iter(jax.random.split(jax.random.key(0), 2 * len(fgp.SHAPES)))
-    for sa, sb, dn, rhs_format in fgp.SHAPES.values():
-        small = lambda shape: tuple(max(2, d // 128) for d in shape)
-        a = jax.random.normal(next(keys), small(sa), jnp.bfloat16)
-        b = jax.random.normal(next(keys), small(sb), jnp.bfloat16) * 1e-3
-        outs = {
-            k: fn(a, b).astype(jnp.float32)
-            for k, fn in fgp.patterns(dn, rhs_format).items()
-        }
-        ref = outs.pop("bf16")
-        for name, out in outs.items():
-            assert out.shape == ref.shape
-            err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-            assert err < 0.1, (name, dn, err)
-
-
 def test_profile_step_sums_the_device_ops(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import profile_step
@@ -502,7 +430,7 @@ def test_a_failing_case_is_a_row_and_a_nonzero_exit(tmp_path, bad, message):
 
 def test_saved_bytes_counts_the_backward_residuals_by_dtype(monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import saved_bytes
+    from benchlib import saved_bytes
 
     rows = ["fp32", "bf16", "bf16:precision.residuals=half", "fp8"]
     got = {row: saved_bytes.saved_bytes("quick", row) for row in rows}
@@ -523,45 +451,13 @@ def test_saved_bytes_counts_the_backward_residuals_by_dtype(monkeypatch, capsys)
     assert "| bf16:precision.residuals=half |" in table and f"| {ratio:.3f} |" in table
 
 
-def test_fp8_scan_stack_compares_the_same_values(monkeypatch, capsys):
-    # scripts/fp8_scan_stack.py: stacking E4M3 arrays in a scan against their bits.
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import fp8_scan_stack
-
-    x = jax.random.normal(jax.random.key(0), (2, 4, 8))
-    f8, bits = (fp8_scan_stack.stacking(b) for b in (False, True))
-    assert float(f8(x)) == float(bits(x)) != 0
-    fp8_scan_stack.main(["--rounds", "1", "--calls", "1"])
-    table = capsys.readouterr().out
-    assert "| float8_e4m3fn |" in table and "| uint8 bits |" in table
-
-
-def test_waiting_steps_compile_the_trainers_step_as_before(monkeypatch):
-    # scripts/fit_overhead.py and scripts/dispatch_check.py compare the Trainer's
-    # step compiled by `async_filter_jit` with the `eqx.filter_jit` it replaced.
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import equinox as eqx
-    from benchlib.waiting import waiting_steps
-
-    from lowtrain.train._jit import _AsyncJit
-
-    from .helpers import SGD, Mse, make_model
-
-    waiting = type(eqx.filter_jit(lambda x: x))
-    with waiting_steps():
-        inside = Mse(make_model(), SGD(0.1))
-        assert isinstance(inside.compiled_step, waiting)
-    assert isinstance(inside.compiled_step, waiting)  # built once
-    assert isinstance(Mse(make_model(), SGD(0.1)).compiled_step, _AsyncJit)
-
-
 def test_twin_hlo_finds_what_the_compiled_steps_do_differently(monkeypatch, capsys):
-    # scripts/twin_hlo.py: fp32's twin is the Trainer's own loss, so the two compiled
+    # `bench.py twin-hlo`: fp32's twin is the Trainer's own loss, so the two compiled
     # steps are the same; unit_fp8's lowtrain step compiles to its hand-cast twin's
     # fusions and bytes too (casts where ops use the inputs: what a hand-written
     # mixed-precision model does).
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import twin_hlo
+    from benchlib import twin_hlo
 
     with jax.numpy_dtype_promotion("standard"):  # as the scripts run twins
         same = twin_hlo.compare("quick", "fp32")
@@ -611,3 +507,28 @@ def test_gemm_table_and_break_even(monkeypatch):
     table = gemm.markdown([{**r, "tokens": 8, "tflops_bf16": 1.0} for r in fake])
     assert "FP8 pays (fp8 static): d >= 256" in table
     assert "FP8 pays (fp8 current): not reached" in table
+
+
+def test_bench_commands_dispatch(monkeypatch, capsys, tmp_path):
+    # `bench.py COMMAND ...` runs that command's `main`; without one, the step
+    # benchmark. `vmap --quick`: the per-example form costs what the batched does.
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench
+    from benchlib import vmap_cost
+
+    assert set(bench.COMMANDS) >= {"gemm", "vmap", "amp", "twin-hlo", "saved-bytes"}
+    bench.main(["gemm", "--quick", "--out", str(tmp_path)])
+    assert "FP8 pays (fp8 static)" in (tmp_path / "gemm.md").read_text()
+    rows = vmap_cost.measure(16, ("bf16",), reps=1, rounds=1)
+    by = {r["form"]: r for r in rows}
+    assert set(by) == {
+        "float32",
+        "vmap(amp(m))",
+        "amp(vmap(m))",
+        "Trainer, per-example loss",
+        "Trainer, batched model",
+    }
+    # The same program: the same temporary buffers.
+    assert by["vmap(amp(m))"]["temp_bytes"] == by["amp(vmap(m))"]["temp_bytes"]
+    table = vmap_cost.markdown(rows)
+    assert "| bf16 | vmap(amp(m)) | 16 |" in table

@@ -82,7 +82,7 @@ def test_mismatched_or_foreign_checkpoints_are_refused(tmp_path):
         r"float32\[16, 4\] instead\. Load it into a state built exactly",
     )
     refused(
-        Regression(make_model(), SGD(1e-2), policy="params=bfloat16"),
+        Regression(make_model(), SGD(1e-2), precision="params=bfloat16"),
         r"at `\.model\.layers\[0\]\.weight`: expected bfloat16\[16, 4\], got "
         r"float32\[16, 4\]",
     )

@@ -58,7 +58,7 @@ def test_internal_hooks_still_work():
 
 def test_supported_version(monkeypatch):
     _compat.check_version()  # the installed JAX is supported
-    for version in ("0.9.2", "0.12.0", "1.0.0"):
+    for version in ("0.9.2", "0.13.0", "1.0.0"):
         monkeypatch.setattr(jax, "__version__", version)
         with pytest.raises(ImportError, match=f"got jax {version}"):
             _compat.check_version()
@@ -79,7 +79,7 @@ def test_eqn_name_stack():
     stack = _compat.eqn_name_stack(eqn)
     assert stack == "jvp(outer)/inner", (
         f"JAX {jax.__version__} prints name stacks differently: got {stack!r}. "
-        "Update lowtrain/_compat.py and the residual tables of scripts/bench_amp.py."
+        "Update lowtrain/_compat.py and the residual tables of `scripts/bench.py amp`."
     )
 
 

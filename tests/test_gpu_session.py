@@ -1,6 +1,7 @@
-"""scripts/gpu_session.py: issue 13's GPU measurements as one device call within a
-deadline. The orchestration runs here on fake stages; the real stages' commands are
-checked against the scripts they call (a typo would cost a GPU session)."""
+"""scripts/gpu_session.py: the GPU measurements as one call within a deadline. The
+orchestration runs here on fake stages; the real stages' commands are checked
+against the scripts they call (a typo would cost a GPU session). Slow: tests of a
+tool (`pytest -m slow`)."""
 
 import pathlib
 import sys
@@ -8,6 +9,8 @@ import tarfile
 import time
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -91,7 +94,11 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
     for stage in session.STAGES:
         argv = [a.replace("{work}", "/tmp/x") for a in stage.argv]
         assert argv[0] == "python3"
-        if argv[1] == "scripts/bench.py":
+        if argv[1] == "scripts/bench.py" and argv[2] in bench.COMMANDS:
+            with pytest.raises(SystemExit) as done:  # its parser knows the options
+                bench.COMMANDS[argv[2]].main([*argv[3:], "--help"])
+            assert done.value.code == 0
+        elif argv[1] == "scripts/bench.py":
             args = bench.parse_args(argv[2:])
             assert args.steps >= 20
         elif argv[1] == "scripts/profile_step.py":  # its CLI's choices
@@ -104,7 +111,7 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
     assert big.models == ["gpt_1b"] and big.precisions == ["bf16", "fp8", "unit_fp8"]
     fp8 = bench.parse_args(stages["small_fp8"].argv[2:])
     assert fp8.hand == "no" and fp8.save_hlo == "{work}"
-    assert bench.parse_args(stages["gemm"].argv[2:]).gemm
+    assert stages["gemm"].argv[2] in bench.COMMANDS
     unrolled = bench.parse_args(stages["small_unrolled"].argv[2:])
     assert unrolled.set == ["model.scan_layers=false"]
 

@@ -149,7 +149,7 @@ def test_the_step_is_traced_once_for_a_whole_run(policy):
     # The new state's static part (its structure, non-array leaves) keys the next
     # call: it must equal the old one's, or every step would compile again.
     CountingMse.traces = 0
-    trainer = CountingMse(make_model(), SGD(1e-2), policy=policy)
+    trainer = CountingMse(make_model(), SGD(1e-2), precision=policy)
     state = trainer.fit(trainer.init(key=jax.random.key(0)), make_data(), steps=6)
     assert int(state.step) == 6 and CountingMse.traces == 1
 

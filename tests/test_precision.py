@@ -10,7 +10,7 @@ import pytest
 import lowtrain
 from lowtrain.train import Amp, Chain, DelayedFp8, Precision, Rewrite, Scalify
 
-from .helpers import SGD, Regression, make_data, make_model, same_bits, snapshot
+from .helpers import SGD, Regression, make_data, make_model
 
 
 def _steps(trainer, n=3):
@@ -24,17 +24,19 @@ def _steps(trainer, n=3):
 
 
 def test_policy_means_amp_and_delayed_fp8():
-    trainer = Regression(make_model(), SGD(0.1), policy="bf16")
+    trainer = Regression(make_model(), SGD(0.1), precision="bf16")
     assert isinstance(trainer.precision, Chain)
     amp, delayed = trainer.precision.parts
     assert amp.policy == lowtrain.get_policy("bf16") and isinstance(delayed, DelayedFp8)
-    same = Regression(make_model(), SGD(0.1), precision="bf16")
-    assert same.precision.parts[0].policy == amp.policy
+    policy = Regression(make_model(), SGD(0.1), precision=lowtrain.get_policy("bf16"))
+    assert policy.precision.parts[0].policy == amp.policy
 
 
-def test_policy_and_precision_together_is_an_error():
-    with pytest.raises(ValueError, match="Expected `precision` or `policy`"):
-        Regression(make_model(), SGD(0.1), policy="bf16", precision=Amp("fp16"))
+def test_precision_is_the_one_way_to_choose_it():
+    # No `policy=` or `transform=`: one argument says what the step runs in.
+    for old in ({"policy": "bf16"}, {"transform": "scalify"}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            Regression(make_model(), SGD(0.1), **old)
 
 
 def test_not_a_precision_is_an_error():
@@ -42,17 +44,6 @@ def test_not_a_precision_is_an_error():
         Regression(make_model(), SGD(0.1), precision=3)
     with pytest.raises(TypeError, match="to chain, got int"):
         Chain(Amp(), 3)
-
-
-def test_transform_is_deprecated_and_means_scalify():
-    policy = lowtrain.get_policy("p=f32,c=f16")
-    with pytest.warns(DeprecationWarning, match="precision=lowtrain.train.Scalify"):
-        old = Regression(make_model(), SGD(0.1), policy=policy, transform="scalify")
-    new = Regression(make_model(), SGD(0.1), precision=[Scalify(policy), DelayedFp8()])
-    old_state, old_losses = _steps(old)
-    new_state, new_losses = _steps(new)
-    assert old_losses == new_losses
-    assert same_bits(snapshot(old_state), snapshot(new_state))
 
 
 def test_a_precision_of_your_own_changes_the_step():

@@ -432,7 +432,7 @@ SLOW_POW2 = ["down", *(pytest.param(m, marks=pytest.mark.slow) for m in ("up", "
 
 @pytest.mark.parametrize("pow2", SLOW_POW2)
 def test_small_gpt_grads_keep_unit_scale(pow2, getkey):
-    # Issue 11's case: a GPT-like loss written as a new user would (gather, layer
+    # A GPT-like loss written as a new user would (gather, layer
     # norm, causal attention, GELU MLP, tied readout, mean cross-entropy), scale-1
     # float16 parameters and no `dynamic_rescale_*` anywhere.
     params = small_gpt_params(getkey())

@@ -81,9 +81,9 @@ def run_on_8_devices(*args):
 
 
 def run_fsdp_cases(*cases):
-    """`scripts/fsdp_check.py`: per case, the loss trajectories replicated and
+    """`tests/_fsdp_child.py`: per case, the loss trajectories replicated and
     FSDP, and the per-device bytes of the state."""
-    return run_on_8_devices("scripts/fsdp_check.py", "--steps", "10", *cases)
+    return run_on_8_devices("tests/_fsdp_child.py", "--steps", "10", *cases)
 
 
 def test_fsdp_and_grad_accum_on_8_devices_match_replicated(tmp_path):

@@ -69,7 +69,7 @@ def test_subclass_overriding_only_loss_trains(policy, tmp_path, capsys):
     trainer = Regression(
         make_model(),
         optax.sgd(schedule, momentum=0.9),
-        policy=policy,
+        precision=policy,
         learning_rate=schedule,
     )
     steps_seen = []
@@ -107,7 +107,7 @@ def test_subclass_overriding_only_loss_trains(policy, tmp_path, capsys):
 def test_policy_is_applied_to_the_loss():
     data = make_data()
     for policy, dtype in [("fp16", F16), ("fp32", F32)]:
-        trainer = Regression(make_model(), optax.sgd(0.1), policy=policy)
+        trainer = Regression(make_model(), optax.sgd(0.1), precision=policy)
         state = trainer.init(key=jax.random.key(1))
         dots = eqns_of(trainer.train_step, state, data(0), prim="dot_general")
         assert len(dots) >= 5  # 2 layers: 2 forward, 3 or more backward
@@ -149,7 +149,7 @@ def test_inf_gradient_step_is_skipped_bit_for_bit(scaling, tmp_path):
 def test_resume_reproduces_uninterrupted_run(asynchronous, tmp_path):
     data = make_data(n=40)  # 5 steps per epoch: the resume crosses an epoch boundary
     ls = lowtrain.DynamicLossScale(scale=2.0**14, growth_interval=3)  # it moves
-    trainer = Regression(make_model(), SGD(1e-2), policy="fp16", loss_scale=ls)
+    trainer = Regression(make_model(), SGD(1e-2), precision="fp16", loss_scale=ls)
     full = trainer.fit(
         trainer.init(key=jax.random.key(1)),
         data,
@@ -168,7 +168,7 @@ def test_resume_reproduces_uninterrupted_run(asynchronous, tmp_path):
     )
     assert int(first.step) == 7
     # A new Trainer, as a new process would build, from a fresh state's structure.
-    again = Regression(make_model(), SGD(1e-2), policy="fp16", loss_scale=ls)
+    again = Regression(make_model(), SGD(1e-2), precision="fp16", loss_scale=ls)
     resumed = again.fit(
         again.init(key=jax.random.key(99)),  # the key comes from the checkpoint
         data,
@@ -220,7 +220,7 @@ def test_stop_on_nonfinite(tmp_path):
                 metrics_file=tmp_path / f"{log_every}.jsonl",
             )
     assert [r["step"] for r in read_jsonl(tmp_path / "1.jsonl")] == [1, 2]
-    half = Regression(make_model(), SGD(1e-2), policy="fp16")
+    half = Regression(make_model(), SGD(1e-2), precision="fp16")
     assert not half.stop_on_nonfinite  # a dynamic loss scale expects overflows
     state = half.fit(half.init(key=jax.random.key(1)), data, steps=4)
     assert int(state.skipped) == 1

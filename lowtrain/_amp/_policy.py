@@ -84,8 +84,8 @@ class Policy(eqx.Module):
     """The dtypes of a mixed-precision program and the rules that place each op.
 
     - `param_dtype`: the dtype parameters are stored (and updated) in;
-    - `compute_dtype`: the dtype `amp` casts float inputs to on entry, and that matmuls
-      and convolutions run in;
+    - `compute_dtype`: the dtype matmuls and convolutions cast their operands to
+      and run in (`amp` casts each input where an op uses it);
     - `output_dtype`: the dtype of the float outputs `amp` returns;
     - `rules`: per-primitive actions (see `lowtrain.amp` docs), on top of the defaults,
       and the action for `"dot_product_attention"` (`lowtrain.dot_product_attention`,

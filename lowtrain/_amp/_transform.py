@@ -337,20 +337,27 @@ def amp(fn: Callable, policy: Policy | str) -> Callable:
     """Run `fn` in mixed precision under `policy`.
 
     `fn` is a function or any callable `eqx.Module`. The result is an `eqx.Module` that
-    calls `fn` as follows: the program is traced at the dtypes it was written for;
-    float inputs (the module's parameters too) are cast to `policy.compute_dtype`; every
-    primitive, including those inside `jit`, `scan`, `while`, `cond`, `remat` and the
-    rules of `custom_jvp`/`custom_vjp` functions, is re-run in the precision the policy
-    gives it (matmuls and convolutions in the compute dtype; exp, log, tanh, div,
-    reductions and friends in float32; everything else in the widest float dtype of its
-    inputs); float outputs are cast to `policy.output_dtype`.
+    calls `fn` as follows: the program is traced at the dtypes it was written for, and
+    every primitive, including those inside `jit`, `scan`, `while`, `cond`, `remat` and
+    the rules of `custom_jvp`/`custom_vjp` functions, is re-run in the precision the
+    policy gives it, its float inputs cast there, where it uses them (as
+    `torch.autocast` casts): matmuls and convolutions in the compute dtype; exp, log,
+    tanh, div, reductions and friends in float32; everything else in the widest float
+    dtype of its inputs (a float32 bias added to a compute-dtype product gives
+    float32). So an input (the module's parameters too) is rounded to the compute
+    dtype only where a matmul uses it; float outputs are cast to
+    `policy.output_dtype`.
 
     Parameters stay stored in their own dtype, so gradients with respect to them come
     back in it. The wrapped module's parameters are its leaves (`__wrapped__` is `fn`),
     so `eqx.filter_grad` of a loss that calls `amp(model, policy)` differentiates them.
     Each input structure is traced once and compiled (`eqx.filter_jit`), so eager calls
     do not re-trace; `amp` composes with `jax.jit`, `jax.grad`, `jax.vmap`,
-    `jax.checkpoint` and their Equinox filtered versions, in either order.
+    `jax.checkpoint` and their Equinox filtered versions, in either order. Under
+    `jax.vmap` (the per-example way Equinox models are written) it runs
+    `amp(jax.vmap(fn))`: the batched program, whose weight gradients are one matmul
+    over the batch and whose collectives over the vmap's axis are ops on the batch.
+    Outputs it does not cast (bools, ints, keys, constants) pass through.
 
     ```python
     import equinox as eqx

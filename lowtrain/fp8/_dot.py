@@ -52,9 +52,8 @@ def f8_dot_lowering() -> bool:
     Both compute `sum(a8 * b8) * sa * sb` from the same FP8 operands. The XLA of JAX
     0.11.2 (measured on an H100) compiles only the first to an FP8 GEMM on Hopper: it
     does not rewrite the dequantize pattern `dot(convert(a8) * sa, convert(b8) * sb)`,
-    which then runs as a 16-bit GEMM on dequantized copies
-    (`scripts/fp8_gemm_patterns.py` shows both). The CPU keeps the dequantized form,
-    whose results the recipes' tables record.
+    which then runs as a 16-bit GEMM on dequantized copies. The CPU keeps the
+    dequantized form, whose results the recipes' tables record.
     """
     return jax.default_backend() == "gpu"
 

@@ -52,7 +52,7 @@ CHUNK = 1024  # values per chunk of `batch_stats`
 # Values per concatenated group of `batch_stats`: 16 MB of float32, under glibc's
 # largest mmap threshold (32 MB), so that a freed group's memory is reused by the
 # next step's instead of being mapped (and page-faulted) afresh: measured on the GPT
-# step of scripts/bench_numerics.py, 2**22 1.8x, 2**23 2.4x, one group 2.1x.
+# step of `scripts/bench.py numerics`, 2**22 1.8x, 2**23 2.4x, one group 2.1x.
 GROUP = 2**22
 # Tensors of this many values or more are read where they lie, not copied into a
 # group: on the same GPT step, 2**16 1.18-1.28x, 2**17 1.26-1.28x, 2**18
@@ -240,7 +240,7 @@ def _read_materialised(fn, never, xs: list):
     known to the compiler, so that XLA reads each of `xs` from memory: otherwise it
     fuses the ops that make a tensor into the statistics' reductions and computes
     them again there, unvectorised (measured on the GPT step of
-    scripts/bench_numerics.py: 1.60x the plain step with it, 1.98x without;
+    `scripts/bench.py numerics`: 1.60x the plain step with it, 1.98x without;
     reading the large tensors in place instead of copying them, 1.25x with it,
     1.9-2.1x without). `never(xs)`, the other branch, never runs; it returns
     what `fn` does, in values no statistic could be mistaken for (NaN).

@@ -7,7 +7,7 @@ from ._ops import dynamic_rescale_l2 as dynamic_rescale_l2
 from ._ops import dynamic_rescale_l2_grad as dynamic_rescale_l2_grad
 from ._ops import dynamic_rescale_max as dynamic_rescale_max
 from ._ops import dynamic_rescale_max_grad as dynamic_rescale_max_grad
-from ._ops import fp8_dot_general as fp8_dot_general
+from ._ops import fp8_scaled_dot_general as fp8_scaled_dot_general
 from ._ops import stop_scaling as stop_scaling
 from ._scaled_array import ScaledArray as ScaledArray
 from ._scaled_array import as_scaled_array as as_scaled_array

@@ -171,9 +171,11 @@ def cast_fp8(x, dtype=E4M3, grad_dtype=E5M2):
     return _apply(x, kind="cast", dtype=dtype, grad_dtype=grad_dtype)
 
 
-def fp8_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type=None):
-    """`lax.dot_general` with FP8 operands: both inputs' data cast to E4M3 (forward),
-    the output's cotangent's data cast to E5M2 (backward), scales kept (`cast_fp8`).
+def fp8_scaled_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type=None):
+    """`lax.dot_general` of `ScaledArray`s with FP8 data: both inputs' data cast to
+    E4M3 (forward), the output's cotangent's data cast to E5M2 (backward), scales kept
+    (`cast_fp8`). (`lowtrain.fp8.fp8_dot_general` is the FP8 matmul of plain
+    arrays, with its own scales.)
     Inside `scalify(jax.grad(...))` every forward and backward matmul through it then
     multiplies FP8 data.
 
@@ -184,7 +186,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_type=None)
 
     dn = (((1,), (0,)), ((), ()))
     x = scalify.as_scaled_array(jnp.full((2, 3), 1e5), dtype=jnp.float16)
-    out = scalify.scalify(lambda a: scalify.fp8_dot_general(a, a.T, dn))(x)
+    out = scalify.scalify(lambda a: scalify.fp8_scaled_dot_general(a, a.T, dn))(x)
     assert jnp.allclose(scalify.asarray(out, jnp.float32), 3e10, rtol=0.07)
     ```
     """

@@ -10,12 +10,12 @@ from ._hooks import StepInfo as StepInfo
 from ._jit import async_filter_jit as async_filter_jit
 from ._numerics import NumericsRecorder as NumericsRecorder
 from ._placement import array_spec as array_spec
-from ._precision import Chain as Chain
-from ._precision import Precision as Precision
 from ._precisions import Amp as Amp
 from ._precisions import DelayedFp8 as DelayedFp8
 from ._precisions import Rewrite as Rewrite
 from ._precisions import Scalify as Scalify
 from ._precisions import UnitScale as UnitScale
+from ._protocol import Chain as Chain
+from ._protocol import Precision as Precision
 from ._state import TrainState as TrainState
 from ._trainer import Trainer as Trainer

@@ -14,7 +14,7 @@ from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._loss_scale import _LossScale, redo_while_nonfinite, scaled_value_and_grad
 from ._placement import constrain_state
-from ._precision import Precision
+from ._protocol import Precision
 
 F32 = jnp.float32
 

@@ -71,7 +71,7 @@ def _at(tree: PyTree, path: tuple):
 
 def _rate(injected, schedule, applied: int) -> float | None:
     if injected is not None:
-        # Under transform="scalify" it is a ScaledArray.
+        # Under the Scalify precision it is a ScaledArray.
         return float(np.asarray(injected.hyperparams["learning_rate"]))
     if schedule is None:
         return None

@@ -15,9 +15,10 @@ class NumericsRecorder:
     """Records a `lowtrain.numerics.Report` of the loss and gradients of the batch
     about to be trained on, when `state.step % every == 0` (so at the first step of a
     run too), before the update; `every=None` never does. What is tracked is the
-    Trainer's own step up to its gradients (gradient accumulation, sharding, loss
-    scaling and redo as configured), run a second time on the same state and batch;
-    its result is dropped.
+    function `maybe_record` is handed: in `Trainer.fit`, the step's own loss and
+    gradients (`Trainer.loss_and_grads` under the precision's `wrap_step`: gradient
+    accumulation, FSDP's gather, loss scaling and redo as configured), run a second
+    time on the same state and batch; its result is dropped.
 
     Each report is kept as `last` (with its step as `last_step`) and, when
     `Trainer.fit` has a `metrics_file`, appended to `numerics.jsonl` in its folder
@@ -63,21 +64,16 @@ class NumericsRecorder:
         self.last_step: int | None = None
         self._tracked = None
 
-    def _build(self, trainer):
-        # What the Trainer's own step computes up to the gradients (gradient
-        # accumulation, sharding, loss scaling and redo included).
-        def loss_and_grads(batch, state):
-            ((loss, _), grads, _), _, _ = trainer._loss_and_grads(state, batch)
-            return grads, {"loss": loss}
-
-        return numerics.track(trainer.precision.wrap_step(loss_and_grads))
-
-    def maybe_record(self, trainer, state, batch, step: int, metrics_file) -> None:
-        """Record a report if `step % every == 0` (see the class docstring)."""
+    def maybe_record(
+        self, loss_and_grads, state, batch, step: int, metrics_file
+    ) -> None:
+        """Record a report of `loss_and_grads(batch, state) -> (grads, metrics)` if
+        `step % every == 0` (see the class docstring); it is tracked once
+        (compiled at the first report) and the same function is expected after."""
         if self.every is None or step % self.every:
             return
         if self._tracked is None:
-            self._tracked = self._build(trainer)
+            self._tracked = numerics.track(loss_and_grads)
         _, report = self._tracked(batch, state)
         self.last, self.last_step = report, step
         if metrics_file is None or jax.process_index() != 0:

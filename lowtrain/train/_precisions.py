@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 
 import equinox as eqx
@@ -16,7 +15,7 @@ from .._loss_scale import DynamicLossScale, NoOpLossScale, _LossScale
 from .._rewrite import Rule, rewrite
 from ..fp8._linear import advanced_scales, split_records, zero_scales
 from ..unit_scaling import constraints, unit_scale
-from ._precision import Precision, as_precision
+from ._protocol import Precision, as_precision
 
 F32 = jnp.float32
 
@@ -125,8 +124,7 @@ class Scalify(Precision):
         return run
 
     def inputs(self, batch):
-        # The model computes in its weights' dtype: float inputs are cast to it, as
-        # `amp` casts them on entry.
+        # The model computes in its weights' dtype: float inputs are cast to it.
         return self.policy.cast_to_compute(batch)
 
     def to_optimizer(self, tree):
@@ -211,10 +209,6 @@ class Rewrite(Precision):
         return rewrite(model, dict(self.rules), scopes=scopes)
 
 
-# The deprecated `transform=` argument: its values and the precisions they meant.
-_TRANSFORMS = {"amp": Amp, "scalify": Scalify}
-
-
 class UnitScale(Precision):
     """`loss` receives `lowtrain.unit_scaling.unit_scale(model)`: a model written
     without unit scaling (N(0, 1) weights, plain matmuls, `jax.nn` nonlinearities)
@@ -239,31 +233,11 @@ class UnitScale(Precision):
         return unit_scale(model, constraint=self.constraint)
 
 
-def resolve(precision, policy, transform) -> Precision:
-    """The `Precision` the Trainer runs, from its `precision`, `policy` and (deprecated)
-    `transform` arguments (see `Trainer`)."""
-    if transform is not None:
-        if transform not in _TRANSFORMS:
-            raise ValueError(
-                f"Expected `transform` 'amp' or 'scalify', got {transform!r} instead."
-            )
-        warnings.warn(
-            "`Trainer(transform=...)` is deprecated: pass "
-            f"`precision=lowtrain.train.{_TRANSFORMS[transform].__name__}(policy)`.",
-            DeprecationWarning,
-            stacklevel=4,
-        )
-        if precision is not None:
-            raise ValueError("Expected `transform` or `precision`, got both instead.")
-        return as_precision([_TRANSFORMS[transform](policy or "fp32"), DelayedFp8()])
-    if precision is not None and policy is not None:
-        raise ValueError(
-            "Expected `precision` or `policy`, got both instead. A policy alone "
-            "means `precision=[lowtrain.train.Amp(policy), lowtrain.train."
-            "DelayedFp8()]`."
-        )
+def resolve(precision) -> Precision:
+    """The `Precision` the Trainer runs, from its `precision` argument (see
+    `Trainer`): a policy (or None: "fp32") means `[Amp(policy), DelayedFp8()]`."""
     if precision is None or isinstance(precision, str | Policy):
         # A policy: AMP, and the FP8 delayed-scaling state of the model if it has
         # any (`DelayedFp8` leaves a model without it alone).
-        return as_precision([Amp(precision or policy or "fp32"), DelayedFp8()])
+        return as_precision([Amp(precision or "fp32"), DelayedFp8()])
     return as_precision(precision)

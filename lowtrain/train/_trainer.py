@@ -1,9 +1,14 @@
-"""`Trainer`: a plain class with a few override points; `fit` runs the loop."""
+"""`Trainer`: a plain class with a few override points; `fit` runs the loop. Below
+it, what the loop needs besides itself: its arguments validated into a `FitPlan`
+(what happens at which step), the non-finite loss check, `StepInfo`s and metric
+records."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import pathlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -11,6 +16,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jaxtyping import Array, PRNGKeyArray, PyTree
 from tqdm import tqdm
@@ -18,23 +24,20 @@ from tqdm import tqdm
 from .._amp import Policy
 from .._loss_scale import NoOpLossScale, _LossScale
 from ._accumulate import accumulated_value_and_grad, check_counts
-from ._finite import skip_nonfinite
-from ._fit import (
-    check_loss,
-    check_trainer_args,
-    mean_metrics,
-    plan_fit,
-    record,
-    resume_or_check_empty,
-    step_info,
+from ._checkpoint import (
+    Checkpoints,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
 )
+from ._finite import skip_nonfinite
 from ._hooks import Hook, StepInfo
 from ._jit import async_filter_jit
-from ._metrics import JsonlWriter, global_norm
+from ._metrics import JsonlWriter, LearningRates, global_norm
 from ._numerics import NumericsRecorder
 from ._placement import constrain_state, data_mesh, put_state, shard_batch, step_batch
-from ._precision import Precision
 from ._precisions import resolve
+from ._protocol import Precision
 from ._state import TrainState
 
 
@@ -43,9 +46,9 @@ class Trainer:
 
     - `precision`: a `lowtrain.train.Precision` (`Amp`, `Scalify`, `DelayedFp8`,
       `Rewrite`, your own) or a list of them (chained): `self.precision`, whose
-      hooks the step calls. A policy instead (`policy=` or `precision=`, a
-      `lowtrain.Policy` or a name: "fp32", the default, "bf16", "fp16", "fp8", ...)
-      means `[Amp(policy), DelayedFp8()]`: parameters stored in `param_dtype`, and
+      hooks the step calls. A policy instead (a `lowtrain.Policy` or a name:
+      "fp32", the default, "bf16", "fp16", "fp8", ...) means
+      `[Amp(policy), DelayedFp8()]`: parameters stored in `param_dtype`, and
       unless the policy is "fp32", `loss` and `evaluate` receive
       `lowtrain.amp(model, policy)`, called as the model is (float outputs in
       `output_dtype`; `model.__wrapped__` is the model). A model that is not
@@ -62,7 +65,6 @@ class Trainer:
       `NoOpLossScale`): `fit` raises `FloatingPointError` on a non-finite loss.
     - `learning_rate`: a number or an Optax schedule, only for logging, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
-    - `transform` (deprecated): "scalify" meant `precision=Scalify(policy)`.
     - `numerics_every=N`: reports in `fit` (`self.numerics`, a `NumericsRecorder`).
     - `devices` (default `jax.devices()`, of all processes): a 1-D `Mesh` "data";
       each batch is split along its leading axis (which must divide by the number of
@@ -70,7 +72,7 @@ class Trainer:
     - `sharding`: "replicated" (default) or "fsdp": parameters and optimizer state
       split over "data" (`lowtrain.train.array_spec`), gathered by XLA where used.
     - `grad_accum=K`: the gradients of K micro-batches of each batch averaged in
-      one step (`lax.scan`; README "Sharding and gradient accumulation").
+      one step (`lax.scan`; the "Scaling out" guide).
 
     Override points: `loss(self, model, batch, *, key)` (required) returns a float
     scalar, or `(loss, aux)`; `evaluate(self, model, batch)` returns a dict of scalar
@@ -95,7 +97,7 @@ class Trainer:
     x = jax.random.normal(jax.random.key(0), (64, 3))
     data = lowtrain.ArrayBatches({"x": x, "y": x @ jnp.ones((3, 1))}, 16, seed=0)
     model = eqx.nn.Linear(3, 1, key=jax.random.key(1))
-    trainer = Regression(model, optax.adam(0.1), policy="fp16")
+    trainer = Regression(model, optax.adam(0.1), precision="fp16")
     state = trainer.init(key=jax.random.key(2))
     assert isinstance(state.loss_scale, lowtrain.DynamicLossScale)  # fp16 default
     state = trainer.fit(state, data, steps=20, progress=False)
@@ -110,7 +112,6 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         *,
         precision: Precision | Sequence[Precision] | Policy | str | None = None,
-        policy: Policy | str | None = None,
         loss_scale: _LossScale | None = None,
         redo_on_nan: int = 0,
         stop_on_nonfinite: bool | None = None,
@@ -118,11 +119,10 @@ class Trainer:
         devices: Sequence[jax.Device] | None = None,
         sharding: str = "replicated",
         grad_accum: int = 1,
-        transform: str | None = None,
         numerics_every: int | None = None,
     ):
         check_trainer_args(type(self), type(self).loss is Trainer.loss, optimizer)
-        self.precision = resolve(precision, policy, transform)
+        self.precision = resolve(precision)
         if loss_scale is None:
             loss_scale = self.precision.default_loss_scale() or NoOpLossScale()
         if not isinstance(loss_scale, _LossScale):
@@ -170,7 +170,7 @@ class Trainer:
         The precision's hooks run in the order `Precision` lists them.
         """
         p = self.precision
-        ((loss, aux), grads, extra), loss_scale, finite = self._loss_and_grads(
+        ((loss, aux), grads, extra), loss_scale, finite = self.loss_and_grads(
             state, batch
         )
         params = eqx.filter(state.model, eqx.is_inexact_array)
@@ -233,8 +233,12 @@ class Trainer:
         """
         return shard_batch(self.devices, self.mesh, batch)
 
-    def _loss_and_grads(self, state: TrainState, batch: PyTree):
-        # `train_step` up to the gradients (also what `numerics_every` reports).
+    def loss_and_grads(self, state: TrainState, batch: PyTree):
+        """`train_step` up to the gradients (traced, as `train_step` is): returns
+        `((loss, aux), grads, extra), new_loss_scale, finite` of the step's loss on
+        `batch`, with gradient accumulation, FSDP's gather, loss scaling and redo
+        as configured (`extra`: what the precision splits off the gradients). What
+        `numerics_every` reports on."""
         value_and_grad = accumulated_value_and_grad(
             self._loss_with_aux,
             self.precision,
@@ -250,6 +254,16 @@ class Trainer:
     def _loss_with_aux(self, model, batch, *, key):
         out = self.loss(self.precision.wrap_model(model), batch, key=key)
         return out if isinstance(out, tuple) else (out, None)
+
+    @functools.cached_property
+    def _numerics_step(self) -> Callable:
+        # The step's own loss and gradients, as its precision runs them, for a
+        # `NumericsRecorder` to track: `(batch, state) -> (grads, {"loss": loss})`.
+        def loss_and_grads(batch, state):
+            ((loss, _), grads, _), _, _ = self.loss_and_grads(state, batch)
+            return grads, {"loss": loss}
+
+        return self.precision.wrap_step(loss_and_grads)
 
     @functools.cached_property
     def compiled_step(self) -> Callable:
@@ -354,7 +368,9 @@ class Trainer:
         try:
             for s in range(start, plan.total):
                 batch = step_batch(self.devices, self.mesh, data(s))
-                self.numerics.maybe_record(self, state, batch, s, metrics_file)
+                self.numerics.maybe_record(
+                    self._numerics_step, state, batch, s, metrics_file
+                )
                 state, metrics = self.compiled_step(batch, state)
                 done = s + 1
                 bar.update(1)
@@ -396,3 +412,236 @@ class Trainer:
             if writer is not None:
                 writer.close()
         return state
+
+
+def _positive_int(value, what: str, *, optional: bool = True) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Expected an int `{what}` >= 1, got {value!r} instead.")
+    return value
+
+
+def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:
+    """The `Trainer` constructor's checks of its class (`no_loss`: it does not
+    define `loss`) and of its optimizer."""
+    if no_loss:
+        raise TypeError(
+            f"Expected a subclass of `lowtrain.Trainer` that defines "
+            f"`loss(self, model, batch, *, key)`, got {cls.__name__} "
+            "without one instead. Subclass it: `class MyTrainer(lowtrain.Trainer)"
+            ": def loss(self, model, batch, *, key): ...`."
+        )
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            "Expected an Optax optimizer such as `optax.adam(1e-3)`, got "
+            f"{type(optimizer).__name__} instead."
+        )
+
+
+def check_loss(step: int, loss) -> None:
+    value = float(loss)
+    if not math.isfinite(value):
+        raise FloatingPointError(
+            f"The loss is {value} at train step {step + 1} (the update from "
+            f"`state.step == {step}`, on batch `data({step})`). Expected a finite "
+            "loss: without loss scaling this means the run diverged or the batch "
+            "holds inf/NaN. Lower the learning rate, check that batch, train with a "
+            "`lowtrain.DynamicLossScale`, or pass `stop_on_nonfinite=False` to the "
+            "Trainer to skip such steps (non-finite gradients leave the model "
+            "unchanged and count in `state.skipped`)."
+        )
+
+
+def _batch_size(batch: PyTree) -> int:
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FitPlan:
+    """`Trainer.fit`'s arguments, checked: the last step and what happens when.
+
+    `log_at(step)`, `eval_at(step)`, `save_at(step)` say whether `fit` logs,
+    evaluates or writes a checkpoint after the step that makes `state.step == step`
+    (always after the last one, when there is anything to do it with).
+    """
+
+    total: int
+    log_every: int | None
+    eval_every: int | None
+    eval_data: Iterable[PyTree] | None
+    checkpoint_every: int | None
+    checkpoint_dir: pathlib.Path | None
+    keep_checkpoints: int
+
+    def log_at(self, step: int) -> bool:
+        return bool(self.log_every and step % self.log_every == 0) or step == self.total
+
+    def eval_at(self, step: int) -> bool:
+        if self.eval_data is None:
+            return False
+        every = bool(self.eval_every and step % self.eval_every == 0)
+        return every or step == self.total
+
+    def save_at(self, step: int) -> bool:
+        if self.checkpoint_dir is None:
+            return False
+        every = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
+        return every or step == self.total
+
+
+def plan_fit(
+    state: Any,
+    data: Any,
+    *,
+    steps,
+    epochs,
+    eval_data,
+    eval_every,
+    log_every,
+    checkpoint_dir,
+    checkpoint_every,
+    keep_checkpoints,
+    resume,
+) -> FitPlan:
+    """Check `Trainer.fit`'s arguments (see there) and return its `FitPlan`."""
+    if not callable(data):
+        raise TypeError(
+            "Expected `data` to be a function of the step, `data(step) -> batch` "
+            f"(e.g. `lowtrain.ArrayBatches`), got {type(data).__name__} instead. "
+            "A function of the step lets a resumed run see the same batches."
+        )
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"Expected a `lowtrain.TrainState` (from `trainer.init(key=...)`), got "
+            f"{type(state).__name__} instead."
+        )
+    if (steps is None) == (epochs is None):
+        raise ValueError(
+            f"Expected exactly one of `steps` and `epochs`, got steps={steps!r} and "
+            f"epochs={epochs!r} instead."
+        )
+    if epochs is not None:
+        per_epoch = getattr(data, "steps_per_epoch", None)
+        if per_epoch is None:
+            raise ValueError(
+                "Expected `data` with a `steps_per_epoch` attribute (such as "
+                "`lowtrain.ArrayBatches`) to train for `epochs`, got "
+                f"{type(data).__name__} instead. Pass `steps=` instead."
+            )
+        steps = _positive_int(epochs, "epochs") * per_epoch
+    total = _positive_int(steps, "steps", optional=False)
+    log_every = _positive_int(log_every, "log_every")
+    eval_every = _positive_int(eval_every, "eval_every")
+    checkpoint_every = _positive_int(checkpoint_every, "checkpoint_every")
+    keep_checkpoints = _positive_int(keep_checkpoints, "keep_checkpoints")
+    if eval_every and eval_data is None:
+        raise ValueError("Expected `eval_data` with `eval_every`, got None instead.")
+    if (checkpoint_every or resume) and checkpoint_dir is None:
+        raise ValueError(
+            "Expected a `checkpoint_dir` with `checkpoint_every` or `resume`, got "
+            "None instead."
+        )
+    return FitPlan(
+        total=total,
+        log_every=log_every,
+        eval_every=eval_every,
+        eval_data=eval_data,
+        checkpoint_every=checkpoint_every,
+        checkpoint_dir=None if checkpoint_dir is None else pathlib.Path(checkpoint_dir),
+        keep_checkpoints=keep_checkpoints,
+    )
+
+
+def resume_or_check_empty(
+    state, plan: FitPlan, resume: bool, asynchronous: bool = False
+) -> tuple[Any, Checkpoints]:
+    """The state to start from: the newest checkpoint in `plan.checkpoint_dir` if
+    `resume` (and there is one), else `state`; a directory that holds checkpoints
+    without `resume` is an error. And the `Checkpoints` that `fit` saves with
+    (`close` it)."""
+    ckpt_dir = plan.checkpoint_dir
+    saver = lambda: Checkpoints(ckpt_dir, plan.keep_checkpoints, asynchronous)
+    if ckpt_dir is None:
+        return state, saver()
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is not None and resume:
+        return load_checkpoint(latest, state), saver()
+    if latest is not None:
+        raise ValueError(
+            f"Expected an empty `checkpoint_dir` for a new run, got "
+            f"{len(list_checkpoints(ckpt_dir))} checkpoints in {ckpt_dir} "
+            "instead. Pass `resume=True` to continue that run, or use another "
+            "directory."
+        )
+    return state, saver()
+
+
+def step_info(trainer, state, metrics, batch, clock, done) -> StepInfo:
+    """The `StepInfo` after step `done` (`clock`: the window's `(step, time)`)."""
+    loss = float(metrics["loss"])  # waits for the step to finish
+    elapsed = max(time.perf_counter() - clock[1], 1e-12)
+    steps_per_second = (done - clock[0]) / elapsed
+    skipped = int(state.skipped)
+    if isinstance(state.loss_scale, NoOpLossScale):
+        scale = 1.0
+    else:
+        scale = float(state.loss_scale.loss_scale)
+    # Kept on the Trainer: the states of its optimizer share one structure.
+    rates = vars(trainer).setdefault("_learning_rates", LearningRates())
+    return StepInfo(
+        step=done,
+        state=state,
+        loss=loss,
+        aux=metrics["aux"],
+        loss_scale=scale,
+        skipped=skipped,
+        grad_norm=float(metrics["grad_norm"]),
+        learning_rate=rates(state.opt_state, trainer.learning_rate, done - skipped),
+        steps_per_second=steps_per_second,
+        examples_per_second=steps_per_second * _batch_size(batch),
+    )
+
+
+def record(info: StepInfo) -> dict:
+    """The line of the metrics file for `info`."""
+    record = {
+        name: getattr(info, name)
+        for name in (
+            "step",
+            "loss",
+            "loss_scale",
+            "skipped",
+            "grad_norm",
+            "learning_rate",
+            "steps_per_second",
+            "examples_per_second",
+        )
+    }
+    if isinstance(info.aux, dict):  # scalar metrics returned next to the loss
+        for name, value in info.aux.items():
+            if np.ndim(value) == 0 and name not in record:
+                record[str(name)] = float(value)
+    for name, value in (info.eval or {}).items():
+        record[f"eval_{name}"] = value
+    return record
+
+
+def mean_metrics(evaluate: Callable[[PyTree], dict], data: Iterable[PyTree]) -> dict:
+    """The mean of each metric `evaluate(batch)` returns over the batches of `data`."""
+    totals: dict[str, float] = {}
+    count = 0
+    for batch in data:
+        metrics = evaluate(batch)
+        if not isinstance(metrics, dict):
+            raise TypeError(
+                "Expected `evaluate` to return a dict of scalars such as "
+                f"{{'loss': loss}}, got {type(metrics).__name__} instead."
+            )
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+        count += 1
+    if not count:
+        raise ValueError("Expected at least one batch in the eval data, got none.")
+    return {name: total / count for name, total in totals.items()}

@@ -2,7 +2,7 @@
 
 Written op by op (`linear`, `linear`, `silu_glu`, `linear`), the MLP multiplies its
 `(..., inner)` activations and their gradients by constants at every op boundary.
-On XLA:CPU the backward ones cost about 5% of a GPT step (`scripts/bench_unit.py
+On XLA:CPU the backward ones cost about 5% of a GPT step (`scripts/bench.py unit
 --ablation`), although each is one multiply inside a fused loop. Here every
 backward constant of the two up-projections is moved onto their weight gradients
 and the input gradient (`(..., hidden)` and `(inner, hidden)`, a quarter of the size

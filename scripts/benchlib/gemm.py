@@ -18,6 +18,9 @@ where it does is the break-even a shape filter (`precision.min_dim`) can use.
 
 from __future__ import annotations
 
+import argparse
+import json
+import pathlib
 import statistics
 import time
 
@@ -26,6 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from lowtrain.fp8 import fp8_dot_general
+
+from . import report
 
 BF16 = jnp.bfloat16
 DN = (((1,), (0,)), ((), ()))
@@ -115,3 +120,23 @@ def markdown(rows: list[dict]) -> str:
         text = "not reached" if found is None else f"d >= {found}"
         lines.append(f"\nFP8 pays ({kind}): {text}")
     return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    """`bench.py gemm`: the table to `--out` (gemm.md, gemm.json) and stdout."""
+    parser = argparse.ArgumentParser(
+        prog="bench.py gemm", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--tokens", type=int, default=16384, help="rows of x")
+    parser.add_argument("--out", default="bench_out", help="folder for the files")
+    parser.add_argument("--quick", action="store_true", help="tiny widths, seconds")
+    args = parser.parse_args(argv)
+    quick = dict(widths=(32, 64), reps=2, rounds=2) if args.quick else {}
+    rows = measure(64 if args.quick else args.tokens, **quick)
+    device = jax.devices()[0].device_kind
+    table = f"Machine: {report.machine()}\nDevice: {device}\n\n{markdown(rows)}"
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gemm.md").write_text(table + "\n")
+    (out / "gemm.json").write_text(json.dumps({"device": device, "rows": rows}))
+    print(table)
