@@ -25,9 +25,11 @@ from ._loss_scale import all_finite as all_finite  # noqa: E402
 from ._loss_scale import scaled_value_and_grad as scaled_value_and_grad  # noqa: E402
 from ._rewrite import rewrite as rewrite  # noqa: E402
 from .train import ArrayBatches as ArrayBatches  # noqa: E402
+from .train import CheckpointCorruptError as CheckpointCorruptError  # noqa: E402
 from .train import StepInfo as StepInfo  # noqa: E402
 from .train import Trainer as Trainer  # noqa: E402
 from .train import TrainState as TrainState  # noqa: E402
+from .train import checkpoint_extra as checkpoint_extra  # noqa: E402
 from .train import latest_checkpoint as latest_checkpoint  # noqa: E402
 from .train import load_checkpoint as load_checkpoint  # noqa: E402
 from .train import save_checkpoint as save_checkpoint  # noqa: E402

@@ -9,6 +9,11 @@ The configs are in `conf/` (installed as `lowtrain.conf`), their types in
 and the CLI" guide (docs/guides/recipes.md).
 """
 
+import logging
+import pathlib
+import shutil
+import sys
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -18,11 +23,35 @@ from lowtrain.recipes import _config, _run
 _config.register()
 
 
+def _remove_if_new(folder: pathlib.Path) -> None:
+    # Hydra makes the run directory and its log file before `main` runs: a launch
+    # refused for its config leaves none behind (a directory holding anything else,
+    # a run's outputs, is kept).
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"lowtrain.log"}:
+        shutil.rmtree(folder)
+        # And the folders made for it that are empty now (`outputs/mnist_fp8/`).
+        cwd = pathlib.Path.cwd().resolve()
+        for parent in folder.resolve().parents:
+            if parent == cwd or parent in cwd.parents or any(parent.iterdir()):
+                break
+            parent.rmdir()
+
+
 @hydra.main(version_base="1.3", config_path="pkg://lowtrain.conf", config_name="config")
 def main(cfg: DictConfig) -> float:
     """Train the recipe `cfg` names in the Hydra run directory; return its headline
-    metric (test accuracy or validation loss), which sweepers can optimise."""
-    summary = _run.run(cfg, HydraConfig.get().runtime.output_dir)
+    metric (test accuracy or validation loss), which sweepers can optimise. A config
+    that does not check out (`_run.check`) is one line on stderr and exit status 2,
+    before anything is written."""
+    output_dir = pathlib.Path(HydraConfig.get().runtime.output_dir)
+    try:
+        _run.check(cfg)
+    except (ValueError, TypeError) as e:
+        logging.shutdown()
+        _remove_if_new(output_dir)
+        print(f"lowtrain: {e}", file=sys.stderr)
+        sys.exit(2)
+    summary = _run.run(cfg, output_dir)
     return next(iter(summary["final"].values()))
 
 

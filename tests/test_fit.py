@@ -48,23 +48,24 @@ def recorded(trainer) -> list:
     return calls
 
 
-def test_fit_waits_for_no_step_between_logs():
-    # Without `stop_on_nonfinite`, nothing in fit waits for a step before the last
-    # (the only one that logs here): every batch is asked for while step 0 runs. A
-    # host read of any result per step (a loss, `state.step`) would wait for it.
+def test_fit_keeps_a_step_queued_between_logs():
+    # Between logs fit reads each step's health (loss, skipped, skips in a row) one
+    # step late: when it asks for batch `s`, step `s - 1` is still queued or
+    # running, so the device never waits for the host. A host read of the newest
+    # step's results (a loss, `state.step`) would wait for it.
     trainer = SlowMse(make_model(), SGD(1e-2), stop_on_nonfinite=False)
     data = make_data()
     trainer.fit(trainer.init(key=jax.random.key(0)), data, steps=1, progress=False)
-    calls, first_ready = recorded(trainer), {}
+    calls, newest_ready = recorded(trainer), {}
 
     def watched(s):
         if calls:
-            first_ready[s] = calls[0][1]["loss"].is_ready()
+            newest_ready[s] = calls[-1][1]["loss"].is_ready()
         return data(s)
 
     state = trainer.init(key=jax.random.key(0))
     trainer.fit(state, watched, steps=5, log_every=None, progress=False)
-    assert first_ready == {1: False, 2: False, 3: False, 4: False}
+    assert newest_ready == {1: False, 2: False, 3: False, 4: False}
 
 
 def test_one_device_gets_a_host_copy_of_each_batch_and_no_device_put(monkeypatch):

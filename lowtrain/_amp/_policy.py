@@ -48,6 +48,12 @@ def _float_dtype(value, what: str) -> np.dtype:
             f"Expected a floating dtype for `{what}` (e.g. 'float32', 'bfloat16', "
             f"'float16'), got {value!r} instead."
         )
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"Expected `{what}` of at most 32 bits, got {value!r} (float64), which "
+            "JAX runs as float32 unless 64-bit mode is on. Turn it on first "
+            "(`jax.config.update('jax_enable_x64', True)`), or use 'float32'."
+        )
     return dtype
 
 

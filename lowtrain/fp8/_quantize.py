@@ -21,24 +21,28 @@ F32 = jnp.float32
 def quantize(x: ArrayLike, dtype, scale: ArrayLike = 1.0) -> Array:
     """FP8 `data` with `x ~= data * scale`: `x / scale`, clipped to the format, cast.
 
-    Saturating, as the FP8 formats paper prescribes: values beyond the format's range
-    (and infinities) become `+-max` (448 for E4M3, 57344 for E5M2) instead of NaN (E4M3
+    Saturating, as the FP8 formats paper prescribes: finite values beyond the
+    format's range become `+-max` (448 for E4M3, 57344 for E5M2) instead of NaN (E4M3
     has no infinity: a bare `astype` turns anything at or above 464 into NaN) or inf
-    (E5M2). NaN stays NaN. Rounding is to nearest, ties to even, and subnormals are
-    kept, exactly as `ml_dtypes` casts.
+    (E5M2). Infinities are not saturated: they become NaN in E4M3 and stay `+-inf`
+    in E5M2, so a step whose tensors overflowed stays non-finite and the Trainer's
+    finiteness check skips it (a 448 would hide it). NaN stays NaN. Rounding is to
+    nearest, ties to even, and subnormals are kept, exactly as `ml_dtypes` casts.
 
     ```python
     import jax.numpy as jnp
     import lowtrain.fp8 as fp8
 
-    data = fp8.quantize(jnp.array([1e4, -jnp.inf, 3.0]), fp8.E4M3, scale=2.0)
+    data = fp8.quantize(jnp.array([1e4, -300.0, 3.0]), fp8.E4M3, scale=2.0)
     assert data.dtype == fp8.E4M3
-    assert data.astype(jnp.float32).tolist() == [448.0, -448.0, 1.5]
+    assert data.astype(jnp.float32).tolist() == [448.0, -150.0, 1.5]
+    assert jnp.isnan(fp8.quantize(jnp.array(jnp.inf), fp8.E4M3).astype(jnp.float32))
     ```
     """
     fmax = fp8_max(dtype)
     scaled = jnp.asarray(x).astype(F32) / jnp.asarray(scale, F32)
-    return jnp.clip(scaled, -fmax, fmax).astype(dtype)
+    clipped = jnp.clip(scaled, -fmax, fmax)
+    return jnp.where(jnp.isinf(scaled), scaled, clipped).astype(dtype)
 
 
 def dequantize(data: ArrayLike, scale: ArrayLike = 1.0, dtype=F32) -> Array:
@@ -70,7 +74,10 @@ def compute_scale(
     `margin` leaves `2**margin` of headroom; `pow2=True` rounds the scale up to a power
     of two (so scaling is exact in every format). A zero or non-finite `amax` keeps
     `last` (the previous scale, or 1.0): a step of all zeros or an overflow must not
-    poison the next one.
+    poison the next one. The scale is at least float32's smallest normal number: an
+    amax so small that `amax / max` would flush to zero (below about 5e-36 for
+    E4M3) gets that scale instead of 0 (which would turn every value into inf or
+    NaN), and its values still fit the format.
 
     ```python
     import jax.numpy as jnp
@@ -79,10 +86,12 @@ def compute_scale(
     assert fp8.compute_scale(896.0, fp8.E4M3) == 2.0
     assert fp8.compute_scale(900.0, fp8.E4M3, pow2=True) == 4.0
     assert fp8.compute_scale(jnp.inf, fp8.E4M3, last=0.5) == 0.5
+    assert fp8.compute_scale(1e-37, fp8.E4M3) > 0  # not flushed to zero
     ```
     """
     amax = jnp.asarray(amax, F32)
-    scale = amax / fp8_max(dtype) * 2.0**margin
+    tiny = jnp.finfo(F32).tiny  # a scale below it flushes to zero on the devices
+    scale = jnp.maximum(amax / fp8_max(dtype) * 2.0**margin, tiny)
     if pow2:
         scale = pow2_round(scale, "up")
     ok = jnp.isfinite(amax) & (amax > 0)

@@ -1,6 +1,8 @@
 """Training: `TrainState`, `Trainer` and its loop, the `Precision` protocol and its
 implementations, checkpoints, batches."""
 
+from ._checkpoint import CheckpointCorruptError as CheckpointCorruptError
+from ._checkpoint import checkpoint_extra as checkpoint_extra
 from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint

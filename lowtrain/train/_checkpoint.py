@@ -1,4 +1,4 @@
-"""Checkpoints on orbax-checkpoint: sharded, multi-process, atomic, checked on load.
+"""Checkpoints on orbax-checkpoint: sharded, multi-process, atomic, verified.
 
 A checkpoint is an orbax directory with two items:
 
@@ -6,22 +6,38 @@ A checkpoint is an orbax directory with two items:
              flattening order, as a list; PRNG keys as their `jax.random.key_data`.
              Orbax writes each array's shards from the processes that hold them
              (one replica each) and restores them straight into the target shardings.
-    meta/    JSON: the format number and, for each array, its path
-             (`jax.tree_util.keystr`), dtype and shape.
+    meta/    JSON: the format number; for each array its path
+             (`jax.tree_util.keystr`), dtype, shape and checksum; and `extra`, what
+             the caller stored beside the state (the recipes: their config, their
+             data's fingerprint).
+
+The checksum of an array is a Fletcher-style pair over its bytes read as 32-bit
+words `w_i`: `(sum w_i, sum (i + 1) * w_i)` modulo 2**32, computed where the array
+lives (on the devices that hold its shards, each process for its own, so a
+multi-process save stays parallel). Any one flipped bit changes the first sum, a
+swap of two words the second. Each process also records the CRC-32 of every file it
+wrote (`lowtrain_files.process_<i>.json`), so damage anywhere in the checkpoint is
+found, also in bytes a restore would not read. A save is read back and checked
+before it counts (`Checkpoints`); a load is checked before its values are used,
+and every float array must be finite. A mismatch raises `CheckpointCorruptError`
+naming the checkpoint and the array (or file).
 
 Everything that is not an array (the tree structure, activation functions, static
 hyperparameters) comes from the state passed to `load_checkpoint`, so nothing is
 unpickled. Before orbax reads any array, `meta` is compared with that state, and a
 mismatch names the first differing array. Orbax writes into a temporary directory and
 renames it when every process is done, so a process killed mid-save leaves only
-complete checkpoints under their final names. The single-file `.lowtrain` format of
-lowtrain 0.1 is not read any more.
+complete checkpoints under their final names.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import pathlib
 import re
+import tempfile
+import zlib
 from typing import Any
 
 import equinox as eqx
@@ -31,9 +47,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jaxtyping import PyTree
 
-_FORMAT = 2  # 1: the single-file `.lowtrain` format of lowtrain 0.1
+_FORMAT = 3  # 1: single-file `.lowtrain`; 2: orbax without checksums
 _PREFIX = "ckpt"  # `fit` names its checkpoints ckpt_<step, 8 digits>
 _NAME = re.compile(rf"^{_PREFIX}_(\d+)$")
+_CORRUPT = "corrupt_"  # a checkpoint that failed its check, set aside by `restore`
 _FIX = (
     "Load it into a state built exactly as the one that was saved (same model, "
     "optimizer, policy and loss scale), or start a new run in another directory."
@@ -54,28 +71,189 @@ def _describe(dtype: str, shape) -> str:
     return f"{dtype}[{', '.join(map(str, shape))}]"
 
 
-def _meta(state: PyTree) -> dict:
+class CheckpointCorruptError(ValueError):
+    """A checkpoint whose files or arrays cannot be read, do not match their
+    checksums, or hold non-finite floats. The message names the checkpoint and the
+    array or file; `Trainer.fit(resume=True)` sets such a checkpoint aside and
+    resumes from the one before.
+
+    ```python
+    import pathlib, tempfile
+    import jax.numpy as jnp
+    import lowtrain
+
+    path = lowtrain.save_checkpoint(
+        pathlib.Path(tempfile.mkdtemp()) / "c", {"w": jnp.ones(1000)}
+    )
+    chunk = max(path.rglob("d/*"), key=lambda f: f.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 1  # one flipped bit
+    chunk.write_bytes(bytes(data))
+    try:
+        lowtrain.load_checkpoint(path, {"w": jnp.zeros(1000)})
+    except lowtrain.CheckpointCorruptError as e:
+        assert str(path) in str(e)
+    else:
+        raise AssertionError("the flip was not found")
+    ```
+    """
+
+
+log = logging.getLogger("lowtrain")
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bytes of `x` as a flat array of unsigned words, widened to uint32 (one
+    word per element of 1, 2 or 4 bytes; two per element of 8)."""
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+
+
+def _fletcher(x) -> jax.Array:
+    # `(sum w_i, sum (i + 1) * w_i)` mod 2**32 (see the module docstring).
+    w = _words(x)
+    i = jnp.arange(1, w.size + 1, dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * i, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _digests(arrays: list) -> tuple[list, list]:
+    """Each array's checksum, and for each float array whether it is all finite."""
+    sums = [_fletcher(x) for x in arrays]
+    finite = [
+        jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True
+        for x in arrays
+    ]
+    return sums, finite
+
+
+def _saved_arrays(state: PyTree) -> list:
+    return [jax.random.key_data(x) if _is_key(x) else x for _, x in _leaves(state)]
+
+
+def _checksums(arrays: list) -> list[list[int]]:
+    sums, _ = _digests(arrays)
+    # Replicated results: every process holds the whole pair.
+    return [[int(v) for v in np.asarray(jax.device_get(s))] for s in sums]
+
+
+def _meta(state: PyTree, arrays: list, extra: dict | None) -> dict:
     return {
         "format": _FORMAT,
         "leaves": [
-            {"path": p, "dtype": str(x.dtype), "shape": list(x.shape)}
-            for p, x in _leaves(state)
+            {
+                "path": p,
+                "dtype": str(x.dtype),
+                "shape": list(x.shape),
+                "checksum": sums,
+            }
+            for (p, x), sums in zip(_leaves(state), _checksums(arrays))
         ],
+        "extra": extra or {},
     }
 
 
-def _save_args(state: PyTree) -> ocp.args.Composite:
-    arrays = [jax.random.key_data(x) if _is_key(x) else x for _, x in _leaves(state)]
-    return ocp.args.Composite(
-        arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(_meta(state))
-    )
+_FILES = "lowtrain_files"  # the file digests: lowtrain_files.process_<i>.json
+_OWNER = re.compile(r"^ocdbt\.process_(\d+)$")
+
+
+def _owner(relative: pathlib.Path) -> int:
+    # The process that wrote a file of a checkpoint: its own `ocdbt.process_<i>`
+    # folder's; process 0 for the files every process shares.
+    for part in relative.parts:
+        if m := _OWNER.match(part):
+            return int(m.group(1))
+    return 0
+
+
+def _crc(file: pathlib.Path) -> int:
+    value = 0
+    with open(file, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            value = zlib.crc32(block, value)
+    return value
+
+
+def write_file_digests(path: pathlib.Path) -> None:
+    """After a checkpoint at `path` is complete: each process records the CRC-32 of
+    the files it wrote (process 0 also of the shared ones) in
+    `lowtrain_files.process_<i>.json`, so that damage to any byte of any file, read
+    by a restore or not, is found (`check_file_digests`)."""
+    me = jax.process_index()
+    files = {}
+    for f in sorted(path.rglob("*")):
+        relative = f.relative_to(path)
+        if f.is_file() and not f.name.startswith(_FILES) and _owner(relative) == me:
+            files[str(relative)] = _crc(f)
+    record = {"processes": jax.process_count(), "crc32": files}
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path, prefix=f".{_FILES}", delete=False, encoding="utf-8"
+    ) as f:
+        json.dump(record, f)
+    pathlib.Path(f.name).replace(path / f"{_FILES}.process_{me}.json")
+
+
+def check_file_digests(path: pathlib.Path) -> None:
+    """Raise `CheckpointCorruptError` unless every file the digests of `path`
+    record is there with its CRC-32 (see `write_file_digests`)."""
+    first = path / f"{_FILES}.process_0.json"
+    if not first.is_file():
+        raise CheckpointCorruptError(
+            f"Checkpoint {path} has no file digests ({first.name}): it was not "
+            "completed and checked (a crash during the save?). Resume from an "
+            "earlier checkpoint."
+        )
+    processes = json.loads(first.read_text(encoding="utf-8"))["processes"]
+    for i in range(processes):
+        record = path / f"{_FILES}.process_{i}.json"
+        if not record.is_file():
+            raise CheckpointCorruptError(
+                f"Checkpoint {path} lacks {record.name}: process {i} did not finish "
+                "its part of the save. Resume from an earlier checkpoint."
+            )
+        crcs = json.loads(record.read_text(encoding="utf-8"))["crc32"]
+        for name, crc in crcs.items():
+            file = path / name
+            if not file.is_file() or _crc(file) != crc:
+                how = "is missing" if not file.is_file() else "does not match its CRC"
+                raise CheckpointCorruptError(
+                    f"Checkpoint {path} is corrupt: its file {name} {how}. Resume "
+                    "from an earlier checkpoint (`Trainer.fit(resume=True)` does)."
+                )
+
+
+def verify(path: pathlib.Path, meta: dict, arrays: list, finite: bool = True) -> None:
+    """Raise `CheckpointCorruptError` unless every one of `arrays` (as read from the
+    checkpoint at `path`) has the checksum `meta` holds for it and (with `finite`)
+    every float one is finite."""
+    sums, all_finite = _digests(arrays)
+    for entry, got, ok in zip(meta["leaves"], sums, all_finite):
+        got = [int(v) for v in np.asarray(jax.device_get(got))]
+        if got != list(entry["checksum"]):
+            raise CheckpointCorruptError(
+                f"Checkpoint {path} is corrupt: the bytes of `{entry['path']}` "
+                f"({_describe(entry['dtype'], entry['shape'])}) do not match the "
+                f"checksum written with them ({entry['checksum']}, read {got}). Resume "
+                "from an earlier checkpoint (`Trainer.fit(resume=True)` does)."
+            )
+        if finite and not bool(ok):
+            raise CheckpointCorruptError(
+                f"Checkpoint {path} holds non-finite values in `{entry['path']}`: a "
+                "state that diverged was saved. Resume from an earlier checkpoint."
+            )
 
 
 def _check(path: pathlib.Path, meta: dict, like: PyTree) -> None:
     """Raise `ValueError` naming the first array where `meta` and `like` differ."""
     if meta.get("format") != _FORMAT:
         raise ValueError(
-            f"Expected checkpoint format {_FORMAT} in {path}, got "
+            f"Expected checkpoint format {_FORMAT} (with checksums) in {path}, got "
             f"{meta.get('format')!r} instead. Load it with the lowtrain version "
             "that wrote it."
         )
@@ -103,19 +281,41 @@ def _check(path: pathlib.Path, meta: dict, like: PyTree) -> None:
             )
 
 
-def _restore_args(like: PyTree) -> ocp.args.Composite:
-    """Orbax's targets: each array's shape, dtype and sharding from `like`."""
+def _targets(arrays: list, host: bool = False) -> list:
+    """Orbax's targets for `arrays`: each one's shape, dtype and sharding (with
+    `host`, a NumPy array of its shape and dtype: read to host memory)."""
     targets = []
-    for _, x in _leaves(like):
-        if _is_key(x):
-            x = jax.random.key_data(x)
-        if isinstance(x, jax.Array):
+    for x in arrays:
+        if isinstance(x, jax.Array) and not host:
             targets.append(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding))
         else:  # a numpy array: restored as one, on every process
-            targets.append(np.zeros_like(x))
+            targets.append(np.zeros(x.shape, x.dtype))
+    return targets
+
+
+def _restore_args(like: PyTree) -> ocp.args.Composite:
+    """Orbax's targets: each array's shape, dtype and sharding from `like`."""
+    like_arrays = [
+        jax.random.key_data(x) if _is_key(x) else x for _, x in _leaves(like)
+    ]
     return ocp.args.Composite(
-        arrays=ocp.args.StandardRestore(targets), meta=ocp.args.JsonRestore()
+        arrays=ocp.args.StandardRestore(_targets(like_arrays)),
+        meta=ocp.args.JsonRestore(),
     )
+
+
+def _read_arrays(path: pathlib.Path, restore) -> Any:
+    """`restore()` (orbax reading `path`), its failures named: a missing, truncated
+    or undecodable file is a `CheckpointCorruptError` naming the checkpoint."""
+    try:
+        return restore()
+    except Exception as e:  # tensorstore's and orbax's errors, re-raised as one kind
+        raise CheckpointCorruptError(
+            f"Checkpoint {path} could not be read ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else 'no message'}): a file of it is "
+            "missing, truncated or damaged. Resume from an earlier checkpoint "
+            "(`Trainer.fit(resume=True)` does)."
+        ) from e
 
 
 def _rebuild(like: PyTree, values: list) -> PyTree:
@@ -154,15 +354,18 @@ def _checkpointer() -> ocp.Checkpointer:
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
-def save_checkpoint(path, state: PyTree) -> pathlib.Path:
-    """Write the arrays of `state` to the checkpoint directory `path`, and return it.
+def save_checkpoint(path, state: PyTree, *, extra: dict | None = None) -> pathlib.Path:
+    """Write the arrays of `state` to the checkpoint directory `path`, read them back
+    and check them, and return `path`.
 
     Every process of a multi-process run must call it with the same `path` and its
     part of the same state: orbax writes each shard once, from a process that holds
     it. The checkpoint is written to a temporary directory and renamed to `path`
     when complete (an existing checkpoint at `path` is deleted first). It holds each
-    array leaf with its path, dtype and shape (see `lowtrain/train/_checkpoint.py`);
-    non-array leaves are not saved.
+    array leaf with its path, dtype, shape and checksum (see
+    `lowtrain/train/_checkpoint.py`), and `extra` (JSON data, read back by
+    `checkpoint_extra`); non-array leaves are not saved. What was written is read
+    again and checked against the checksums (`CheckpointCorruptError` if not).
 
     ```python
     import pathlib, tempfile
@@ -177,9 +380,31 @@ def save_checkpoint(path, state: PyTree) -> pathlib.Path:
     """
     path = pathlib.Path(path).resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = _saved_arrays(state)
+    meta = _meta(state, arrays, extra)
     with _checkpointer() as checkpointer:
-        checkpointer.save(path, args=_save_args(state), force=True)
+        checkpointer.save(path, args=_args(arrays, meta), force=True)
+        _read_back(path, lambda a: checkpointer.restore(path, args=a), arrays, meta)
+    write_file_digests(path)
     return path
+
+
+def _args(arrays: list, meta: dict) -> ocp.args.Composite:
+    return ocp.args.Composite(
+        arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+    )
+
+
+def _read_back(path: pathlib.Path, restore, arrays: list, meta: dict) -> None:
+    """Read the arrays just saved from `path` (to host memory on one process, so
+    the devices hold no second copy of the state; into their shardings on several)
+    and check them against the checksums written (`restore(args)`: orbax's restore
+    of that checkpoint)."""
+    host = jax.process_count() == 1
+    targets = ocp.args.StandardRestore(_targets(arrays, host=host))
+    got = _read_arrays(path, lambda: restore(ocp.args.Composite(arrays=targets)))
+    # The bytes only: a state with NaNs may be saved (to look at), not resumed from.
+    verify(path, meta, got["arrays"], finite=False)
 
 
 def load_checkpoint(path, like: PyTree) -> PyTree:
@@ -190,7 +415,9 @@ def load_checkpoint(path, like: PyTree) -> PyTree:
     each process's shards straight into `like`'s shardings, which may differ from
     those saved, e.g. another number of devices). Raises `ValueError`, before any
     array is read, if `path` is not a lowtrain checkpoint or does not match `like`
-    (naming the first array whose path, dtype or shape differs).
+    (naming the first array whose path, dtype or shape differs), and
+    `CheckpointCorruptError` if an array cannot be read, does not match its
+    checksum or holds non-finite floats (naming the array).
 
     ```python
     import pathlib, tempfile
@@ -209,9 +436,32 @@ def load_checkpoint(path, like: PyTree) -> PyTree:
     """
     path = pathlib.Path(path).resolve()
     with _checkpointer() as checkpointer:
-        _check(path, _read_meta(path, checkpointer), like)
-        restored = checkpointer.restore(path, args=_restore_args(like))
+        meta = _read_meta(path, checkpointer)
+        _check(path, meta, like)
+        check_file_digests(path)
+        restored = _read_arrays(
+            path, lambda: checkpointer.restore(path, args=_restore_args(like))
+        )
+    verify(path, meta, restored["arrays"])
     return _rebuild(like, restored["arrays"])
+
+
+def checkpoint_extra(path) -> dict:
+    """The `extra` JSON data saved with the checkpoint at `path` (`{}` if none).
+
+    ```python
+    import pathlib, tempfile
+    import jax.numpy as jnp
+    import lowtrain
+
+    path = pathlib.Path(tempfile.mkdtemp()) / "state"
+    lowtrain.save_checkpoint(path, {"w": jnp.ones(2)}, extra={"vocab": "abc"})
+    assert lowtrain.checkpoint_extra(path) == {"vocab": "abc"}
+    ```
+    """
+    path = pathlib.Path(path).resolve()
+    with _checkpointer() as checkpointer:
+        return dict(_read_meta(path, checkpointer).get("extra") or {})
 
 
 def latest_checkpoint(directory) -> pathlib.Path | None:
@@ -246,21 +496,44 @@ def list_checkpoints(directory) -> list[tuple[int, pathlib.Path]]:
     return sorted(found)
 
 
-class Checkpoints:
-    """The checkpoints `Trainer.fit` writes: an orbax `CheckpointManager` on
-    `directory` keeping the newest `keep`, or nothing if `directory` is None.
+def _check_writable(directory: pathlib.Path) -> None:
+    # Found now, not at the first save an hour into the run.
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise PermissionError(
+            f"Expected a checkpoint directory this process can write, got {directory} "
+            f"({e.strerror or e}). Fix its permissions or pass another directory."
+        ) from None
 
-    `save(step, state)` is called by every process. With `asynchronous`, it returns
-    once the arrays are copied to host memory and orbax writes them on a background
-    thread; the next `save` and `close` wait for that write first.
+
+class Checkpoints:
+    """The checkpoints `Trainer.fit` writes in `directory` (nothing if it is None):
+    `ckpt_<step>` directories written by orbax, each read back and checked against
+    its checksums before it counts, and the newest `keep` checked ones kept (an
+    older one is deleted only once a newer one has passed its check, so the newest
+    checked checkpoint is never deleted).
+
+    `save(step, state, extra)` is called by every process. With `asynchronous`, it
+    returns once the arrays are copied to host memory and orbax writes them on a
+    background thread; the check of that checkpoint runs at the next `save` or at
+    `close`, which wait for the write first. A check that fails raises
+    `CheckpointCorruptError`: the run stops rather than go on without a checkpoint.
     """
 
     def __init__(self, directory, keep: int, asynchronous: bool = False):
         self._manager = None
+        self._keep = keep
+        self._asynchronous = bool(asynchronous)
+        self._pending: tuple[int, list, dict] | None = None  # saved, not yet checked
         if directory is None:
             return
+        self.directory = pathlib.Path(directory).resolve()
+        _check_writable(self.directory)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None,  # rotation is ours: only after a check passes
             step_prefix=_PREFIX,
             step_format_fixed_length=8,
             enable_async_checkpointing=bool(asynchronous),
@@ -268,18 +541,68 @@ class Checkpoints:
             create=True,
         )
         self._manager = ocp.CheckpointManager(
-            pathlib.Path(directory).resolve(),
-            options=options,
-            item_names=("arrays", "meta"),
+            self.directory, options=options, item_names=("arrays", "meta")
         )
 
-    def save(self, step: int, state: PyTree) -> None:
-        if self._manager is not None:
-            self._manager.save(step, args=_save_args(state), force=True)
+    def save(self, step: int, state: PyTree, extra: dict | None = None) -> None:
+        if self._manager is None:
+            return
+        self._check_pending()
+        arrays = _saved_arrays(state)
+        meta = _meta(state, arrays, extra)
+        self._manager.save(step, args=_args(arrays, meta), force=True)
+        self._pending = (step, arrays, meta)
+        if not self._asynchronous:
+            self._check_pending()
+
+    def _check_pending(self) -> None:
+        # Wait for the last save, read it back, and only then rotate.
+        if self._pending is None:
+            return
+        self._manager.wait_until_finished()
+        step, arrays, meta = self._pending
+        self._pending = None
+        path = self.directory / f"{_PREFIX}_{step:08d}"
+        _read_back(path, lambda a: self._manager.restore(step, args=a), arrays, meta)
+        write_file_digests(path)
+        for old in sorted(self._manager.all_steps())[: -self._keep]:
+            self._manager.delete(old)
 
     def close(self) -> None:
-        """Wait for a pending asynchronous save; release orbax's threads."""
+        """Wait for a pending asynchronous save and check it; release orbax's
+        threads."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+            try:
+                self._check_pending()
+            finally:
+                self._manager.close()
+                self._manager = None
+
+
+def restore_latest(directory, like: PyTree) -> tuple[PyTree, pathlib.Path] | None:
+    """The newest checkpoint in `directory` that passes its checks, loaded into
+    `like`'s structure, and its path; None if `directory` holds no checkpoint.
+
+    A newer checkpoint that fails (`CheckpointCorruptError`: unreadable, a checksum
+    mismatch, non-finite values) is renamed `corrupt_ckpt_<step>` (kept, for a look,
+    but no longer a checkpoint) and the next older one is tried, each with a warning
+    on the `lowtrain` logger. If none passes, the last error is raised. (A
+    checkpoint of another state, a `ValueError` of `load_checkpoint`, is raised at
+    once: that is not damage.)"""
+    found = list_checkpoints(directory)
+    error = None
+    for _, path in reversed(found):
+        try:
+            return load_checkpoint(path, like), path
+        except CheckpointCorruptError as e:
+            error = e
+            aside = path.with_name(_CORRUPT + path.name)
+            if jax.process_index() == 0:
+                path.rename(aside)
+            log.warning("%s Set aside as %s; trying the one before.", e, aside.name)
+    if error is not None:
+        raise CheckpointCorruptError(
+            f"No checkpoint in {directory} passes its checks (the last: {error}). "
+            "Start the run anew in another directory."
+        ) from error
+    return None

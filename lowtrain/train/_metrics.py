@@ -111,16 +111,59 @@ def to_json(value):
     return value
 
 
+def read_jsonl(path) -> list[dict]:
+    """The records of a JSONL file, skipping a torn last line (a process killed
+    while writing it): every complete line is one JSON object."""
+    records = []
+    path = pathlib.Path(path)
+    if not path.exists():
+        return records
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1 and not line.endswith("\n"):
+                break  # the torn last line
+            raise ValueError(
+                f"Expected one JSON object per line in {path}, got a broken line "
+                f"{i + 1} instead: {line[:80]!r}. Fix or move the file."
+            ) from None
+    return records
+
+
 class JsonlWriter:
     """Appends one JSON object per line to `path`, flushed after each.
 
     Non-finite floats are written as `NaN` / `Infinity`, as Python's `json` does.
+    With `after_step` (a run that goes on from that step), the file is first made
+    one row per step again: a torn last line is dropped, and the rows of later
+    steps (written before a crash, and about to be written again) are moved to
+    `<path>.replaced`, so nothing is lost.
     """
 
-    def __init__(self, path):
+    def __init__(self, path, after_step: int | None = None):
         self.path = pathlib.Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if after_step is not None and self.path.exists():
+            self._repair(after_step)
         self._file = open(self.path, "a", encoding="utf-8")
+
+    def _repair(self, after_step: int) -> None:
+        records = read_jsonl(self.path)
+        keep = [r for r in records if r.get("step", 0) <= after_step]
+        later = [r for r in records if r.get("step", 0) > after_step]
+        text = "".join(json.dumps(r) + "\n" for r in keep)
+        if text == self.path.read_text(encoding="utf-8"):
+            return
+        if later:
+            with open(f"{self.path}.replaced", "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in later)
+        temp = self.path.with_name(f".{self.path.name}.tmp")
+        temp.write_text(text, encoding="utf-8")
+        temp.replace(self.path)
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(to_json(record)) + "\n")

@@ -20,6 +20,12 @@ from ._protocol import Precision, as_precision
 F32 = jnp.float32
 
 
+def _at_least_f32(x):
+    if eqx.is_inexact_array(x) and jnp.finfo(x.dtype).bits < 32:
+        return x.astype(F32)
+    return x
+
+
 def _policy(policy: Policy | str) -> Policy:
     policy = get_policy(policy) if isinstance(policy, str) else policy
     if not isinstance(policy, Policy):
@@ -66,6 +72,19 @@ class Amp(Precision):
 
     def cast_params(self, model):
         return self.policy.cast_to_param(model)
+
+    def to_optimizer(self, tree):
+        # Half-precision parameters (`param_dtype` float16/bfloat16): the optimizer
+        # computes and keeps its state in float32 (Adam squares the gradients);
+        # float32 ones pass as they are.
+        return jax.tree.map(_at_least_f32, tree)
+
+    def from_optimizer(self, updates, params):
+        return jax.tree.map(
+            lambda u, p: u.astype(p.dtype) if eqx.is_inexact_array(u) else u,
+            updates,
+            params,
+        )
 
     def default_loss_scale(self):
         if self.loss_scale is not None:

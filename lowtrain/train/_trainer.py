@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import pathlib
 import time
@@ -28,7 +29,7 @@ from ._checkpoint import (
     Checkpoints,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
+    restore_latest,
 )
 from ._finite import skip_nonfinite
 from ._hooks import Hook, StepInfo
@@ -39,6 +40,8 @@ from ._placement import constrain_state, data_mesh, put_state, shard_batch, step
 from ._precisions import resolve
 from ._protocol import Precision
 from ._state import TrainState
+
+log = logging.getLogger("lowtrain")
 
 
 class Trainer:
@@ -63,6 +66,12 @@ class Trainer:
       backs off).
     - `stop_on_nonfinite` (default: True exactly when the loss scale is a
       `NoOpLossScale`): `fit` raises `FloatingPointError` on a non-finite loss.
+      Whatever it says, `fit` also raises `FloatingPointError` when a run stops
+      training: `max_consecutive_skips` steps in a row skipped (default 20; None:
+      no limit), a step skipped with a `DynamicLossScale` already at its
+      `min_scale`, or a non-finite loss whose gradients were finite (the step was
+      applied: the loss reads values its gradients do not, such as labels outside
+      the classes).
     - `learning_rate`: a number or an Optax schedule, only for logging, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
     - `numerics_every=N`: reports in `fit` (`self.numerics`, a `NumericsRecorder`).
@@ -120,6 +129,7 @@ class Trainer:
         sharding: str = "replicated",
         grad_accum: int = 1,
         numerics_every: int | None = None,
+        max_consecutive_skips: int | None = 20,
     ):
         check_trainer_args(type(self), type(self).loss is Trainer.loss, optimizer)
         self.precision = resolve(precision)
@@ -136,6 +146,9 @@ class Trainer:
         if stop_on_nonfinite is None:
             stop_on_nonfinite = isinstance(loss_scale, NoOpLossScale)
         self.stop_on_nonfinite = bool(stop_on_nonfinite)
+        self.max_consecutive_skips = _positive_int(
+            max_consecutive_skips, "max_consecutive_skips"
+        )
         self.learning_rate = learning_rate
         self.devices, self.mesh, self.sharding = data_mesh(devices, sharding)
         self.optimizer = skip_nonfinite(optimizer, self.devices)
@@ -192,6 +205,15 @@ class Trainer:
             "aux": aux,
             "grad_norm": global_norm(grads),
             "grads_finite": finite,
+            # What `fit` checks one step late, in one transfer: the loss, whether
+            # the step was applied, the skips in a row, and whether it was skipped
+            # with the loss scale at its floor (backing off can no longer help).
+            "health": (
+                loss,
+                finite,
+                _skips_in_a_row(opt_state),
+                state.loss_scale.at_floor(),
+            ),
         }
         return constrain_state(self.mesh, self.sharding, new_state), metrics
 
@@ -205,6 +227,30 @@ class Trainer:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Expected an int `every` >= 1, got {every!r} instead.")
         self.hooks.append(Hook(fn, every))
+
+    def _check_health(self, step: int, health, min_scale) -> None:
+        # `health` of the update from `state.step == step` (see `train_step`).
+        loss, applied, in_a_row, at_floor = jax.device_get(health)
+        loss, applied, in_a_row = float(loss), bool(applied), int(in_a_row)
+        if not math.isfinite(loss) and (applied or self.stop_on_nonfinite):
+            check_loss(step, loss, applied)
+        if at_floor and not applied:
+            raise FloatingPointError(
+                f"Train step {step + 1} was skipped with the loss scale at its "
+                f"minimum ({min_scale:g}): its gradients are not finite "
+                "even unscaled, and backing off cannot help. The run diverged or the "
+                "batch holds inf/NaN. Lower the learning rate, check batch "
+                f"`data({step})`, or train in bf16 (float32's range)."
+            )
+        limit = self.max_consecutive_skips
+        if limit is not None and in_a_row >= limit:
+            raise FloatingPointError(
+                f"{in_a_row} train steps in a row were skipped (non-finite "
+                f"gradients), up to step {step + 1}: the run is not training. "
+                "Lower the learning rate, check the data for inf/NaN, start the loss "
+                "scale lower, or train in bf16; `max_consecutive_skips` "
+                f"(now {limit}) sets this limit."
+            )
 
     # -- state, placement, compiled steps ----------------------------------------
 
@@ -307,9 +353,10 @@ class Trainer:
         checkpoint_dir=None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int = 3,
-        resume: bool = False,
+        resume: bool | str = False,
         async_checkpoint: bool = False,
         progress: bool = True,
+        checkpoint_extra: dict | None = None,
     ) -> TrainState:
         """Train from `state` until `state.step == steps`, and return the new state.
 
@@ -329,17 +376,26 @@ class Trainer:
           iterable of batches, iterated once each time) is given: `run_evaluation`.
         - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir`
           is given: the `TrainState` is saved (orbax, each process its shards) to
-          `checkpoint_dir/ckpt_<step>`, keeping the newest `keep_checkpoints`;
-          `async_checkpoint=True`: written in the background after the copy to host.
-        - `resume=True` loads the newest checkpoint in `checkpoint_dir` into
-          `state`'s structure and shardings, if any (refusing a mismatched one), and
-          goes on from its step exactly: same batches, keys and loss scale. Without
-          `resume`, a `checkpoint_dir` that already holds checkpoints is an error.
+          `checkpoint_dir/ckpt_<step>` with `checkpoint_extra` (JSON data, read by
+          `lowtrain.checkpoint_extra`), read back and checked against its
+          checksums, keeping the newest `keep_checkpoints` that passed;
+          `async_checkpoint=True`: written in the background after the copy to host
+          (and checked at the next save or the end).
+        - `resume=True` loads the newest checkpoint in `checkpoint_dir` that passes
+          its checks into `state`'s structure and shardings (a damaged one is set
+          aside with a warning and the one before tried; a mismatched one is
+          refused), logs "resumed from step N (path)" on the `lowtrain` logger,
+          and goes on from its step exactly: same batches, keys and loss scale.
+          Without a checkpoint there it is an error; `resume="auto"` starts anew
+          then. Without `resume`, a `checkpoint_dir` that already holds checkpoints
+          is an error. A resumed run's `metrics_file` is made one row per step: the
+          rows after the checkpoint's step (written before a crash) move to
+          `<metrics_file>.replaced`.
         - Hooks run after the above, in the order added.
-        - With `stop_on_nonfinite`, a non-finite loss raises `FloatingPointError`.
-          It is checked one step late, so the device never waits for it, except at
-          steps that log, evaluate, run hooks or write a checkpoint, where it is
-          checked first.
+        - A run that stops training raises `FloatingPointError` (see `Trainer`:
+          `stop_on_nonfinite`, `max_consecutive_skips`). It is checked one step
+          late, so the device never waits for it, except at steps that log,
+          evaluate, run hooks or write a checkpoint, where it is checked first.
         """
         plan = plan_fit(
             state,
@@ -356,7 +412,9 @@ class Trainer:
         )
         state, saver = resume_or_check_empty(state, plan, resume, async_checkpoint)
         start, is_main = int(state.step), jax.process_index() == 0
-        writer = JsonlWriter(metrics_file) if metrics_file and is_main else None
+        writer = None
+        if metrics_file and is_main:
+            writer = JsonlWriter(metrics_file, after_step=start)
         bar = tqdm(
             total=plan.total,
             initial=min(start, plan.total),
@@ -378,13 +436,13 @@ class Trainer:
                 log_now, eval_now = plan.log_at(done), plan.eval_at(done)
                 save_now = plan.save_at(done)
                 sync = bool(hooks) or log_now or eval_now or save_now
-                if self.stop_on_nonfinite:
-                    if pending is not None:
-                        check_loss(*pending)
-                    pending = (s, metrics["loss"])
-                    if sync:  # we wait for the device here anyway
-                        check_loss(*pending)
-                        pending = None
+                if pending is not None:
+                    self._check_health(*pending)
+                floor = getattr(state.loss_scale, "min_scale", None)
+                pending = (s, metrics["health"], floor)
+                if sync:  # we wait for the device here anyway
+                    self._check_health(*pending)
+                    pending = None
                 if not sync:
                     continue
                 if hooks or log_now or eval_now:
@@ -402,10 +460,10 @@ class Trainer:
                     for hook in hooks:
                         hook.fn(info)
                 if save_now:  # every process: each writes its shards
-                    saver.save(done, state)
+                    saver.save(done, state, checkpoint_extra)
                 clock = (done, time.perf_counter())  # not counting logs, evals, saves
             if pending is not None:
-                check_loss(*pending)
+                self._check_health(*pending)
         finally:
             bar.close()
             saver.close()  # waits for an asynchronous save
@@ -439,18 +497,34 @@ def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:
         )
 
 
-def check_loss(step: int, loss) -> None:
+def check_loss(step: int, loss, applied: bool = False) -> None:
     value = float(loss)
-    if not math.isfinite(value):
+    if math.isfinite(value):
+        return
+    where = (
+        f"at train step {step + 1} (the update from `state.step == {step}`, on batch "
+        f"`data({step})`)"
+    )
+    if applied:
         raise FloatingPointError(
-            f"The loss is {value} at train step {step + 1} (the update from "
-            f"`state.step == {step}`, on batch `data({step})`). Expected a finite "
-            "loss: without loss scaling this means the run diverged or the batch "
-            "holds inf/NaN. Lower the learning rate, check that batch, train with a "
-            "`lowtrain.DynamicLossScale`, or pass `stop_on_nonfinite=False` to the "
-            "Trainer to skip such steps (non-finite gradients leave the model "
-            "unchanged and count in `state.skipped`)."
+            f"The loss is {value} {where}, but its gradients were finite, so the "
+            "step was applied: the loss reads values its gradients do not, such as "
+            "labels outside the number of classes (a gather out of range gives NaN) "
+            "or a log of 0. Check the batch's labels and the loss."
         )
+    raise FloatingPointError(
+        f"The loss is {value} {where}. Expected a finite loss: without loss scaling "
+        "this means the run diverged or the batch holds inf/NaN. Lower the learning "
+        "rate, check that batch, train with a `lowtrain.DynamicLossScale`, or pass "
+        "`stop_on_nonfinite=False` to the Trainer to skip such steps (non-finite "
+        "gradients leave the model unchanged and count in `state.skipped`)."
+    )
+
+
+def _skips_in_a_row(opt_state) -> Array:
+    # The Trainer's optimizer state is `optax.apply_if_finite`'s (or lowtrain's
+    # select version of it): `notfinite_count` counts the skips in a row.
+    return jnp.asarray(getattr(opt_state, "notfinite_count", 0), jnp.int32)
 
 
 def _batch_size(batch: PyTree) -> int:
@@ -538,6 +612,10 @@ def plan_fit(
     keep_checkpoints = _positive_int(keep_checkpoints, "keep_checkpoints")
     if eval_every and eval_data is None:
         raise ValueError("Expected `eval_data` with `eval_every`, got None instead.")
+    if resume not in (True, False, "auto"):
+        raise ValueError(
+            f'Expected `resume` True, False or "auto", got {resume!r} instead.'
+        )
     if (checkpoint_every or resume) and checkpoint_dir is None:
         raise ValueError(
             "Expected a `checkpoint_dir` with `checkpoint_every` or `resume`, got "
@@ -555,20 +633,31 @@ def plan_fit(
 
 
 def resume_or_check_empty(
-    state, plan: FitPlan, resume: bool, asynchronous: bool = False
+    state, plan: FitPlan, resume: bool | str, asynchronous: bool = False
 ) -> tuple[Any, Checkpoints]:
-    """The state to start from: the newest checkpoint in `plan.checkpoint_dir` if
-    `resume` (and there is one), else `state`; a directory that holds checkpoints
-    without `resume` is an error. And the `Checkpoints` that `fit` saves with
-    (`close` it)."""
+    """The state to start from: with `resume`, the newest checkpoint in
+    `plan.checkpoint_dir` that passes its checks (none: an error, or `state` for
+    `resume="auto"`), else `state`; a directory that holds checkpoints without
+    `resume` is an error. And the `Checkpoints` that `fit` saves with (`close`
+    it)."""
     ckpt_dir = plan.checkpoint_dir
     saver = lambda: Checkpoints(ckpt_dir, plan.keep_checkpoints, asynchronous)
     if ckpt_dir is None:
         return state, saver()
-    latest = latest_checkpoint(ckpt_dir)
-    if latest is not None and resume:
-        return load_checkpoint(latest, state), saver()
-    if latest is not None:
+    if resume:
+        found = restore_latest(ckpt_dir, state)
+        if found is not None:
+            resumed, path = found
+            log.info("resumed from step %d (%s)", int(resumed.step), path)
+            return resumed, saver()
+        if resume != "auto":
+            raise ValueError(
+                f"Expected a checkpoint to resume from in {ckpt_dir}, got none there. "
+                "Check the run directory (a typo starts a new run), pass "
+                '`resume="auto"` to start anew when there is none, or drop `resume`.'
+            )
+        return state, saver()
+    if latest_checkpoint(ckpt_dir) is not None:
         raise ValueError(
             f"Expected an empty `checkpoint_dir` for a new run, got "
             f"{len(list_checkpoints(ckpt_dir))} checkpoints in {ckpt_dir} "
