@@ -32,6 +32,9 @@ from .train import TrainState as TrainState  # noqa: E402
 from .train import checkpoint_extra as checkpoint_extra  # noqa: E402
 from .train import latest_checkpoint as latest_checkpoint  # noqa: E402
 from .train import load_checkpoint as load_checkpoint  # noqa: E402
+from .train import load_model as load_model  # noqa: E402
+from .train import load_safetensors as load_safetensors  # noqa: E402
 from .train import save_checkpoint as save_checkpoint  # noqa: E402
+from .train import save_safetensors as save_safetensors  # noqa: E402
 
 __version__ = "0.1.0"

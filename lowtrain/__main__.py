@@ -52,6 +52,9 @@ def main(cfg: DictConfig) -> float:
         print(f"lowtrain: {e}", file=sys.stderr)
         sys.exit(2)
     summary = _run.run(cfg, output_dir)
+    if cfg.mode != "train":  # evaluate, sample: printed, nothing to keep
+        logging.shutdown()
+        _remove_if_new(output_dir)
     return next(iter(summary["final"].values()))
 
 

@@ -11,3 +11,9 @@ def positive(value, key: str) -> None:
 def at_least(value, low, key: str) -> None:
     if not value >= low:
         raise ValueError(f"Expected `{key}` >= {low}, got {value} instead.")
+
+
+def one_of(value, choices: tuple, key: str) -> None:
+    if value not in choices:
+        names = " or ".join(repr(c) for c in choices)
+        raise ValueError(f"Expected `{key}` {names}, got {value!r} instead.")

@@ -1,5 +1,6 @@
-"""What the recipes (`mnist.py`, `gpt.py`) share: the Trainer's options from the
-config, the step count, the optimizer, and `fit` with the run's outputs."""
+"""What every task shares (the built-in `mnist.py`, `gpt.py` and a user's own):
+`train`, a task trained as the config says: the Trainer's options, the step count,
+the optimizer, and `fit` with the run's outputs, loggers and callbacks."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import lowtrain.numerics
 
 from ._config import Config
 from ._prefetch import Prefetch
+from ._task import Task, split_model
 
 log = logging.getLogger("lowtrain")
 
@@ -41,6 +43,13 @@ FREE_ON_RESUME = (
     "trainer.numerics_every",
     "trainer.numerics_format",
     "trainer.max_consecutive_skips",
+    "trainer.loggers",
+    "trainer.early_stopping",
+    "trainer.min_delta",
+    "trainer.keep_best",
+    "mode",
+    "checkpoint",
+    "sample",
     "data.cache_dir",
     "distributed",
 )
@@ -145,10 +154,13 @@ def fit(
     key: jax.Array,
     cfg: DictConfig | None = None,
     data_fingerprint: dict | None = None,
+    callbacks: list | None = None,
 ) -> lowtrain.TrainState:
-    """`trainer.fit` with the run's outputs: `metrics.jsonl`, `checkpoints/`, a
-    progress bar, and a log line per evaluation. Each checkpoint holds the run's
-    resolved config (`cfg`) and `data_fingerprint` (the data's digest, the
+    """`trainer.fit` with the run's outputs: `metrics.jsonl` and the loggers
+    `trainer.loggers` names, `checkpoints/` (and `checkpoints/best/` with
+    `trainer.keep_best`), a progress bar, and a log line per evaluation; early
+    stopping with `trainer.early_stopping`, and `callbacks`. Each checkpoint holds
+    the run's resolved config (`cfg`) and `data_fingerprint` (the data's digest, the
     vocabulary); a resume that would change them is refused (`resume_differences`)
     before anything is loaded."""
     t = config.trainer
@@ -189,6 +201,17 @@ def fit(
 
     trainer.add_hook(report, every=t.eval_every or steps)
     trainer.numerics.fmt = t.numerics_format
+    callbacks = [*run_callbacks(config), *(callbacks or ())]
+    loggers = []
+    if jax.process_index() == 0:
+        start = _resumed_step(latest)
+        loggers = [
+            lowtrain.train.make_logger(name, out, after_step=start)
+            for name in t.loggers
+            if name != "jsonl"  # metrics.jsonl: always, `metrics_file` below
+        ]
+        for logger in loggers:
+            logger.log_hyperparams(extra["config"])
     state = trainer.init(key=key)
     source = Prefetch(data, t.prefetch) if t.prefetch else data
     try:
@@ -208,11 +231,87 @@ def fit(
                 async_checkpoint=t.async_checkpoint,
                 resume=t.resume,
                 progress=t.progress,
+                callbacks=callbacks,
+                loggers=loggers,
             )
     finally:
         if isinstance(source, Prefetch):
             source.close()
+        for logger in loggers:
+            logger.close()
     return state
+
+
+def _resumed_step(latest) -> int | None:
+    # The step a resumed run goes on from (its loggers drop later rows), or None.
+    if latest is None:
+        return None
+    return int(latest.name.rsplit("_", 1)[1])
+
+
+def run_callbacks(config: Config) -> list:
+    """The callbacks `trainer.early_stopping` (patience in evaluations) and
+    `trainer.keep_best` ask for, on `trainer.monitor` (`trainer.monitor_mode`)."""
+    t = config.trainer
+    callbacks = []
+    if t.early_stopping is not None:
+        callbacks.append(
+            lowtrain.train.EarlyStopping(
+                t.monitor, t.monitor_mode, t.early_stopping, t.min_delta
+            )
+        )
+    if t.keep_best:
+        callbacks.append(
+            lowtrain.train.BestCheckpoint(t.monitor, t.monitor_mode, t.keep_best)
+        )
+    return callbacks
+
+
+def train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
+    """Train `task` as `config` says, writing to `out`; return its results
+    (`Task.results`, with the step count, parameters, skipped steps and final loss
+    scale added)."""
+    t = config.trainer
+    data = task.data(config)
+    steps = total_steps(config, getattr(data.train, "steps_per_epoch", None))
+    trainer, key = build_trainer(task, config, cfg, steps)
+    state = fit(
+        trainer,
+        config,
+        data.train,
+        data.eval,
+        steps,
+        out,
+        key=key,
+        cfg=cfg,
+        data_fingerprint=dict(data.fingerprint),
+        callbacks=task.callbacks(config),
+    )
+    results = dict(task.results(trainer, state, data, config, out))
+    results.setdefault("steps", int(state.step))
+    if t.early_stopping is not None and int(state.step) < steps:
+        results["stopped_early_at"] = int(state.step)
+    results.setdefault("parameters", count_parameters(trainer.model))
+    results.setdefault("skipped_steps", int(state.skipped))
+    results.setdefault("final_loss_scale", final_loss_scale(state))
+    return results
+
+
+def build_trainer(
+    task: Task, config: Config, cfg: DictConfig, steps: int
+) -> tuple[lowtrain.Trainer, jax.Array]:
+    """The task's Trainer for `config` (its model from the seed's first key), and
+    the key its state starts from (the second)."""
+    model_key, state_key = jax.random.split(jax.random.key(config.trainer.seed))
+    model, model_state = split_model(task.model(config, key=model_key))
+    trainer_class = task.trainer_class(config, model)
+    options = trainer_options(config)
+    if model_state is not None:
+        options["model_state"] = model_state
+    trainer = trainer_class(
+        model, optimizer(cfg, steps, task.decay_mask, model), **options
+    )
+    return trainer, state_key
 
 
 def numerics_summary(out: pathlib.Path, fmt: str) -> dict | None:

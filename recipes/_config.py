@@ -26,6 +26,7 @@ from omegaconf import MISSING
 from lowtrain.numerics import FORMATS
 
 from ._checks import at_least as _at_least
+from ._checks import one_of as _one_of
 from ._checks import positive as _positive
 from ._model_config import Attention as Attention
 from ._model_config import CNNConfig as CNNConfig
@@ -35,7 +36,8 @@ from ._model_config import GPTUnitConfig as GPTUnitConfig
 from ._model_config import MLPConfig as MLPConfig
 from ._model_config import MLPUnitConfig as MLPUnitConfig
 
-TASKS = ("mnist", "gpt")
+LOGGERS = ("jsonl", "csv", "tensorboard", "wandb", "mlflow")
+MODES = ("train", "evaluate", "sample")
 
 
 def _check_optimizer(c) -> None:
@@ -47,11 +49,7 @@ def _check_optimizer(c) -> None:
             f"Expected `optimizer.min_lr` <= `optimizer.lr` ({c.lr}), got {c.min_lr} "
             "instead."
         )
-    if c.schedule not in ("cosine", "constant"):
-        raise ValueError(
-            "Expected `optimizer.schedule` 'cosine' or 'constant', got "
-            f"{c.schedule!r} instead."
-        )
+    _one_of(c.schedule, ("cosine", "constant"), "optimizer.schedule")
     if c.clip_norm is not None:
         _positive(c.clip_norm, "optimizer.clip_norm")
 
@@ -70,7 +68,38 @@ class LossScale(Enum):
 
 
 @dataclass
-class AmpPrecisionConfig:
+class Fp8AutoConfig:
+    """The FP8 precisions' autopilot (`recipes/_autopilot.py`): with `auto`, the
+    numerics report decides which matmuls run in FP8 (`lowtrain.numerics.plan`),
+    from `auto_batches` tracked batches before training and again every
+    `auto_every` steps, so a matmul whose range drifts moves out of FP8 and one
+    that settles moves back in; `keep` stays wide throughout. The thresholds are
+    `plan`'s (fractions of a cast's nonzero values)."""
+
+    auto: bool = False
+    auto_batches: int = 2  # batches tracked for each plan (the worst of each cast)
+    auto_every: int = 250  # steps between plans
+    auto_max_flush_fwd: float = 0.25  # forward (E4M3) casts: most flushed to zero
+    auto_max_flush_bwd: float = 0.005  # backward (E5M2) casts: the gradient
+    auto_max_saturate: float = 0.001  # any cast: most clipped at the format's max
+
+    def _check_auto(self) -> None:
+        _positive(self.auto_batches, "precision.auto_batches")
+        _positive(self.auto_every, "precision.auto_every")
+        for name in ("auto_max_flush_fwd", "auto_max_flush_bwd", "auto_max_saturate"):
+            value = getattr(self, name)
+            if not 0 <= value <= 1:
+                raise ValueError(
+                    f"Expected `precision.{name}` in [0, 1] (a fraction), got "
+                    f"{value} instead."
+                )
+
+
+AUTO_FIELDS = tuple(Fp8AutoConfig.__dataclass_fields__)
+
+
+@dataclass
+class AmpPrecisionConfig(Fp8AutoConfig):
     name: str = MISSING
     _target_: str = "lowtrain.recipes.precisions.amp"
     # A `lowtrain.get_policy` name ("fp32", "bf16", "fp16", "fp8") or a jmp-style
@@ -85,39 +114,55 @@ class AmpPrecisionConfig:
     # The fp8 policy's shape filter: a matmul whose GEMM has an M, N or K below this
     # stays bf16, too small for FP8 to pay for its casts (0: every matmul in FP8).
     min_dim: int = 0
+    # fp8 policy: matmuls kept bf16, by named scope or scope@rhs-shape
+    # (`lowtrain.unit_scaling.keep_scopes`), e.g. ["btc,vc->btv"]
+    keep: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _positive(self.init_scale, "precision.init_scale")
         _positive(self.growth_interval, "precision.growth_interval")
         _at_least(self.min_dim, 0, "precision.min_dim")
+        self._check_auto()
 
 
 @dataclass
-class NaiveFp8PrecisionConfig:
+class NaiveFp8PrecisionConfig(Fp8AutoConfig):
     name: str = MISSING
     _target_: str = "lowtrain.recipes.precisions.naive_fp8"
     policy: str = "bf16"  # everything but the FP8-rounded matmul operands
     weights_only: bool = False  # True: attention's activation products not in FP8
-    # matmuls in these named scopes stay in `policy` (e.g. [linear_2, projection])
+    # matmuls in these named scopes stay in `policy` (e.g. [linear_2, projection]),
+    # or scope@rhs-shape for one of several in a scope (`uu.keep_scopes`)
     keep: list[str] = field(default_factory=list)
     min_dim: int = 0  # matmuls with an M, N or K below this stay in `policy` too
+    # "nearest", or "stochastic" (unbiased; docs/guides/fp8.md has the measurement)
+    rounding: str = "nearest"
 
     def __post_init__(self):
         _at_least(self.min_dim, 0, "precision.min_dim")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(
+                "Expected `precision.rounding` 'nearest' or 'stochastic', got "
+                f"{self.rounding!r} instead."
+            )
+        self._check_auto()
 
 
 @dataclass
-class DelayedFp8PrecisionConfig:
+class DelayedFp8PrecisionConfig(Fp8AutoConfig):
     name: str = MISSING
     _target_: str = "lowtrain.recipes.precisions.delayed_fp8"
     history: int = 16  # steps of amax history a scale is computed from
     margin: int = 0  # powers of two of headroom below the format's largest value
     min_dim: int = 0  # matmuls with an M, N or K below this stay bf16
+    # matmuls kept bf16: scope or scope@rhs-shape; a Linear's scope is ...i,io->...o
+    keep: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _positive(self.history, "precision.history")
         _at_least(self.margin, 0, "precision.margin")
         _at_least(self.min_dim, 0, "precision.min_dim")
+        self._check_auto()
 
 
 @dataclass
@@ -157,6 +202,13 @@ class TrainerConfig:
     grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
     numerics_every: int | None = None  # steps between numerics reports (None: off)
     numerics_format: str = "float8_e4m3fn"  # the format numerics.png and summary judge
+    # Loggers besides metrics.jsonl (always written): csv, tensorboard, wandb, mlflow.
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    monitor: str = "eval_loss"  # what early stopping and the best checkpoint watch
+    monitor_mode: str = "min"  # "min" (a loss) or "max" (an accuracy)
+    early_stopping: int | None = None  # stop after N evaluations without improvement
+    min_delta: float = 0.0  # the least change that counts as an improvement
+    keep_best: int = 0  # keep the N best checkpoints by `monitor` (checkpoints/best/)
 
     def __post_init__(self):
         for name in (
@@ -185,6 +237,17 @@ class TrainerConfig:
             )
         if self.max_consecutive_skips is not None:
             _positive(self.max_consecutive_skips, "trainer.max_consecutive_skips")
+        _one_of(self.monitor_mode, ("min", "max"), "trainer.monitor_mode")
+        if self.early_stopping is not None:
+            _positive(self.early_stopping, "trainer.early_stopping")
+        _at_least(self.min_delta, 0, "trainer.min_delta")
+        _at_least(self.keep_best, 0, "trainer.keep_best")
+        unknown = [n for n in self.loggers if n not in LOGGERS]
+        if unknown:
+            raise ValueError(
+                f"Expected `trainer.loggers` among {', '.join(LOGGERS)}, got "
+                f"{', '.join(map(repr, unknown))} instead."
+            )
         if self.numerics_format not in FORMATS:
             raise ValueError(
                 f"Expected `trainer.numerics_format` among {', '.join(FORMATS)}, got "
@@ -312,8 +375,22 @@ class UmupAdamWConfig(AdamWConfig):
 
 
 @dataclass
+class SampleConfig:
+    """`sample`: what `mode=sample` generates (the GPT task)."""
+
+    prompt: str | None = None  # None: the start of the validation text
+    length: int = 300  # characters generated
+    temperature: float = 0.8
+
+    def __post_init__(self):
+        _positive(self.length, "sample.length")
+        _positive(self.temperature, "sample.temperature")
+
+
+@dataclass
 class Config:
-    task: str = MISSING  # "mnist" or "gpt": which recipe module trains
+    # "mnist", "gpt", or the dotted path of a `lowtrain.recipes.Task` subclass
+    task: str = MISSING
     model: Any = MISSING  # MLPConfig, CNNConfig or GPTConfig
     data: Any = MISSING  # MnistDataConfig or TextDataConfig
     optimizer: Any = MISSING  # AdamWConfig or SGDConfig
@@ -322,6 +399,22 @@ class Config:
     precision: Any = MISSING
     trainer: TrainerConfig = MISSING
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    # train, or evaluate / sample the model of `checkpoint` (a run directory, its
+    # checkpoints/ folder or one checkpoint; a run's best checkpoint if it kept one)
+    mode: str = "train"
+    checkpoint: str | None = None
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(
+                f"Expected `mode` among {', '.join(MODES)}, got {self.mode!r} instead."
+            )
+        if self.mode != "train" and self.checkpoint is None:
+            raise ValueError(
+                f"Expected `checkpoint=<run dir or checkpoint>` with mode={self.mode}, "
+                "got none. Pass the run directory of a trained run."
+            )
 
 
 SCHEMAS = {

@@ -1,6 +1,7 @@
-"""A run of `python -m lowtrain`: the config validated, the recipe its `task` names
-trained, the summary and plots written. (What the recipes share is in `_common.py`;
-this module imports them, they never import it.)"""
+"""A run of `python -m lowtrain`: the config validated, the task it names trained
+(or a trained checkpoint evaluated or sampled: `mode=`), the summary and plots
+written. (What tasks share is in `_common.py`; this module imports them, they never
+import it.)"""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from . import _distributed, gpt, mnist
+import lowtrain
+
+from . import _common, _distributed
 from ._common import numerics_summary
-from ._config import TASKS, Config
+from ._config import Config
 from ._plots import plot_metrics
+from ._task import Task, load_task
 
 log = logging.getLogger("lowtrain")
 
@@ -49,11 +53,7 @@ def to_config(cfg: DictConfig) -> Config:
         config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:  # a value of the wrong type, from the CLI
         raise ValueError(str(e).splitlines()[0]) from None
-    if config.task not in TASKS:
-        raise ValueError(
-            f"Expected `task` to be one of {', '.join(TASKS)}, got {config.task!r} "
-            "instead. Pick a recipe: `recipe=mnist` or `recipe=gpt`."
-        )
+    load_task(config.task)  # importable, a Task: a clear error now, not later
     return config
 
 
@@ -95,6 +95,9 @@ def run(cfg: DictConfig, output_dir) -> dict:
     metrics, plots and summary."""
     config = check(cfg)
     _distributed.initialize(config.distributed)  # before any JAX computation
+    task = load_task(config.task)
+    if config.mode != "train":
+        return use_checkpoint(task, config, cfg)
     out = _distributed.shared_run_dir(pathlib.Path(output_dir).resolve())
     main = jax.process_index() == 0
     out.mkdir(parents=True, exist_ok=True)
@@ -103,8 +106,7 @@ def run(cfg: DictConfig, output_dir) -> dict:
     title = f"{config.task} {config.precision.name}"
     log.info("%s: outputs in %s", title, out)
     start = time.perf_counter()
-    recipe = {"mnist": mnist, "gpt": gpt}[config.task]
-    results = recipe.train(config, cfg, out)
+    results = _common.train(task, config, cfg, out)
     seconds = time.perf_counter() - start
     plots = plot_metrics(out / "metrics.jsonl", out, title) if main else []
     summary = {
@@ -134,6 +136,56 @@ def run(cfg: DictConfig, output_dir) -> dict:
         f"{', '.join(p.name for p in plots)}, checkpoints/)"
     )
     return summary
+
+
+def checkpoint_path(given: str) -> pathlib.Path:
+    """The checkpoint `checkpoint=` names: a run directory (its `checkpoints/`), a
+    checkpoint folder, or one checkpoint; in a folder, the best kept
+    (`trainer.keep_best`) if any, else the newest."""
+    path = pathlib.Path(given).expanduser().resolve()
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    found = lowtrain.train.best_checkpoint(path) if (path / "best").is_dir() else None
+    found = found or lowtrain.latest_checkpoint(path)
+    if found is None and (path / "meta").is_dir():
+        found = path  # one checkpoint
+    if found is None:
+        raise ValueError(
+            f"Expected a run directory or checkpoint at `checkpoint={given}`, got "
+            f"{'nothing there' if not path.exists() else 'no checkpoint in it'}. Pass "
+            "the run directory a training run printed (outputs: ...)."
+        )
+    return found
+
+
+def use_checkpoint(task: Task, config: Config, cfg: DictConfig) -> dict:
+    """`mode=evaluate`: the task's eval metrics of the checkpoint's model, printed;
+    `mode=sample`: the task's sample, printed. The model is built as the config
+    says and its arrays read from the checkpoint (`lowtrain.load_model`: a config
+    that builds another model is an error naming the first array that differs)."""
+    path = checkpoint_path(config.checkpoint)
+    # The optimizer is built as training built it, but never used.
+    steps = config.trainer.steps or config.optimizer.warmup_steps + 1
+    trainer, key = _common.build_trainer(task, config, cfg, steps=steps)
+    state = trainer.init(key=key)
+    if trainer.model_state is None:
+        model, model_state = lowtrain.load_model(path, state.model), None
+    else:
+        model, model_state = lowtrain.load_model(path, state.model, state.model_state)
+    state = dataclasses.replace(state, model=model, model_state=model_state)
+    log.info("%s of %s", config.mode, path)
+    if config.mode == "sample":
+        text = task.sample(trainer, state.model, config, path)
+        print(text)
+        return {"final": {"characters": len(text)}, "checkpoint": str(path)}
+    data = task.data(config)
+    metrics = trainer.run_evaluation(state, data.eval)
+    for name, value in metrics.items():
+        print(f"eval {name}: {value:.6g}")
+    return {
+        "final": {f"eval_{k}": v for k, v in metrics.items()},
+        "checkpoint": str(path),
+    }
 
 
 def _json(value):

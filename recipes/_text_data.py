@@ -268,6 +268,11 @@ class CharText:
     def decode(self, ids) -> str:
         return "".join(self.vocab[i] for i in np.asarray(ids).ravel())
 
+    def encode(self, text: str) -> np.ndarray:
+        """The ids of `text`'s characters (each must be in `vocab`)."""
+        index = {c: i for i, c in enumerate(self.vocab)}
+        return np.array([index[c] for c in text], np.int32)
+
 
 class Crops:
     """Random crops of `block_size + 1` characters, a pure function of the step.

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
-import pathlib
 
 import equinox as eqx
 import jax
@@ -24,13 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int, PRNGKeyArray
-from omegaconf import DictConfig
 
 import lowtrain
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
 
-from . import _common
 from ._config import (
     Attention,
     Config,
@@ -40,6 +37,7 @@ from ._config import (
     TextDataConfig,
 )
 from ._layers import LayerNorm, Linear, decay_mask
+from ._task import Task, TaskData
 from ._text_data import CharText, Crops, load_text
 
 EVAL_SEED = 1234  # the same validation crops for every run, whatever its seed
@@ -277,65 +275,101 @@ def generate(model, prompt: np.ndarray, length: int, *, key, temperature=0.8):
     return np.array(out)
 
 
-def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
-    """Train the char-level GPT as `config` says, writing to `out`; returns results."""
-    if not isinstance(config.data, TextDataConfig) or not isinstance(
-        config.model, GPTConfig | GPTUnitConfig
-    ):
-        raise ValueError(
-            "Expected model=gpt or model=gpt_unit and data=shakespeare or data=text "
-            "for the GPT "
-            f"recipe, got {type(config.model).__name__} and "
-            f"{type(config.data).__name__} instead."
+class GptTask(Task):
+    """`task=gpt`: next-character prediction on a text (`data=shakespeare` or
+    `data=text`), the GPT `model=gpt` or `model=gpt_unit` describes; the headline is
+    the validation loss (nats/char); `sample.txt` is written at the end, and
+    `mode=sample` samples a trained checkpoint."""
+
+    def _chars(self, config: Config) -> tuple[str, CharText]:
+        if not isinstance(config.data, TextDataConfig) or not isinstance(
+            config.model, GPTConfig | GPTUnitConfig
+        ):
+            raise ValueError(
+                "Expected model=gpt or model=gpt_unit and data=shakespeare or "
+                f"data=text for the GPT task, got {type(config.model).__name__} and "
+                f"{type(config.data).__name__} instead."
+            )
+        d = config.data
+        text = load_text(d.path, d.cache_dir)
+        return text, CharText(text, d.val_fraction)
+
+    def data(self, config: Config) -> TaskData:
+        d, t, m = config.data, config.trainer, config.model
+        text, chars = self._chars(config)
+        self.chars = chars
+        fingerprint = {
+            "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+            "vocabulary": chars.vocab,
+        }
+        share = (jax.process_index(), jax.process_count())  # each loads its share
+        train_data = Crops(chars.train, t.batch_size, m.block_size, t.seed, share)
+        val = Crops(chars.val, t.eval_batch_size, m.block_size, EVAL_SEED, share)
+        eval_data = [val(i) for i in range(d.eval_batches)]
+        return TaskData(train_data, eval_data, fingerprint)
+
+    def model(self, config: Config, *, key: PRNGKeyArray):
+        if not hasattr(self, "chars"):
+            self.chars = self._chars(config)[1]
+        model, self._trainer_class = build_model(
+            config.model, len(self.chars.vocab), key=key
         )
-    d, t, m = config.data, config.trainer, config.model
-    text = load_text(d.path, d.cache_dir)
-    chars = CharText(text, d.val_fraction)
-    fingerprint = {
-        "text_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        "vocabulary": chars.vocab,
-    }
-    share = (jax.process_index(), jax.process_count())  # each loads only its share
-    train_data = Crops(chars.train, t.batch_size, m.block_size, t.seed, share)
-    val = Crops(chars.val, t.eval_batch_size, m.block_size, EVAL_SEED, share)
-    eval_data = [val(i) for i in range(d.eval_batches)]
-    steps = _common.total_steps(config, None)
-    model_key, state_key = jax.random.split(jax.random.key(t.seed))
-    model, trainer_class = build_model(m, len(chars.vocab), key=model_key)
-    trainer = trainer_class(
-        model,
-        _common.optimizer(cfg, steps, decay_mask, model),
-        **_common.trainer_options(config),
-    )
-    state = _common.fit(
-        trainer,
-        config,
-        train_data,
-        eval_data,
-        steps,
-        out,
-        key=state_key,
-        cfg=cfg,
-        data_fingerprint=fingerprint,
-    )
-    val_loss = trainer.run_evaluation(state, eval_data)["loss"]
-    prompt = chars.val[: m.block_size]
-    # Sampled from the model as the precision exports it (plain values: under
-    # Scalify the weights are ScaledArrays, which only `scalify` runs).
-    exported = trainer.precision.export(state.model)
-    if jax.process_index() == 0:  # on this process's copy of the replicated model
+        return model
+
+    def trainer_class(self, config: Config, model) -> type[lowtrain.Trainer]:
+        return self.trainer or self._trainer_class
+
+    def decay_mask(self, params):
+        return decay_mask(params)
+
+    def results(self, trainer, state, data: TaskData, config: Config, out) -> dict:
+        d, t, m = config.data, config.trainer, config.model
+        val_loss = trainer.run_evaluation(state, data.eval)["loss"]
+        if jax.process_index() == 0:
+            prompt = self.chars.val[: m.block_size]
+            sample = self._generate(trainer, state.model, prompt, 300, 0.8, t.seed)
+            (out / "sample.txt").write_text(sample)
+        return {
+            "final": {"val_loss": val_loss},
+            "steps": int(state.step),
+            "vocab_size": len(self.chars.vocab),
+            "train_characters": len(self.chars.train),
+            "val_characters": len(self.chars.val),
+            "val_tokens_evaluated": d.eval_batches * t.eval_batch_size * m.block_size,
+        }
+
+    def _generate(self, trainer, model, prompt, length, temperature, seed) -> str:
+        # Sampled from the model as the precision exports it (plain values: under
+        # Scalify the weights are ScaledArrays, which only `scalify` runs), on this
+        # process's copy of the replicated model.
+        exported = trainer.precision.export(model)
         local = lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x
         exported = jax.tree.map(local, exported)
-        sample = generate(exported, prompt, 300, key=jax.random.key(t.seed))
-        (out / "sample.txt").write_text(chars.decode(prompt) + chars.decode(sample))
-    return {
-        "final": {"val_loss": val_loss},
-        "steps": int(state.step),
-        "parameters": _common.count_parameters(model),
-        "vocab_size": len(chars.vocab),
-        "train_characters": len(chars.train),
-        "val_characters": len(chars.val),
-        "val_tokens_evaluated": d.eval_batches * t.eval_batch_size * m.block_size,
-        "skipped_steps": int(state.skipped),
-        "final_loss_scale": _common.final_loss_scale(state),
-    }
+        sample = generate(
+            exported, prompt, length, key=jax.random.key(seed), temperature=temperature
+        )
+        return self.chars.decode(prompt) + self.chars.decode(sample)
+
+    def sample(self, trainer, model, config: Config, out) -> str:
+        """`length` characters after `sample.prompt` (default: the first
+        `block_size` characters of the validation text), at `sample.temperature`,
+        seeded by `trainer.seed`."""
+        s, m = config.sample, config.model
+        if s.prompt is None:
+            prompt = self.chars.val[: m.block_size]
+        else:
+            unknown = sorted(set(s.prompt) - set(self.chars.vocab))
+            if unknown:
+                raise ValueError(
+                    f"Expected `sample.prompt` in the text's characters, got "
+                    f"{''.join(unknown)!r}, which the model never saw. Remove them."
+                )
+            prompt = self.chars.encode(s.prompt)[-m.block_size :]
+        shown = self.chars.decode(prompt)
+        if len(prompt) < m.block_size:  # the context is a full block: pad it
+            pad = self.chars.val[: m.block_size - len(prompt)]
+            prompt = np.concatenate([pad, prompt])
+        text = self._generate(
+            trainer, model, prompt, s.length, s.temperature, config.trainer.seed
+        )
+        return shown + text[m.block_size :]

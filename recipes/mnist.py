@@ -7,26 +7,25 @@ BF16, FP16 or FP8 as the `precision` config says, and returns float32 logits.
 
     python -m lowtrain recipe=mnist_fp8               # the default
     python -m lowtrain recipe=mnist precision=bf16 model=cnn trainer.epochs=3
+
+`MnistTask` is what `task=mnist` trains.
 """
 
 from __future__ import annotations
-
-import pathlib
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, UInt8
-from omegaconf import DictConfig
 
 import lowtrain
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
 
-from . import _common
 from ._config import CNNConfig, Config, MLPConfig, MLPUnitConfig, MnistDataConfig
 from ._layers import Conv2d, Linear, decay_mask
 from ._mnist_data import digests, load_mnist
+from ._task import Task, TaskData
 
 MEAN, STD = 0.1307, 0.3081  # of the training pixels, scaled to [0, 1]
 
@@ -148,57 +147,64 @@ def normalize(images: UInt8[Array, "B 28 28"]) -> Float[Array, "B 28 28"]:
     return (images.astype(jnp.float32) / 255 - MEAN) / STD
 
 
-def train(config: Config, cfg: DictConfig, out: pathlib.Path) -> dict:
-    """Train on MNIST as `config` says, writing to `out`; returns the results."""
-    if not isinstance(config.data, MnistDataConfig):
-        raise ValueError(
-            f"Expected data=mnist for the MNIST recipe, got "
-            f"{type(config.data).__name__} instead."
+class MnistTask(Task):
+    """`task=mnist`: MNIST from the IDX files (`data=mnist`), the model `model=`
+    names (`mlp`, `mlp_unit`, `cnn`), cross-entropy; the headline is the test
+    accuracy. Subclass it to train your own model on MNIST (override `model` and
+    `trainer`), as the "Your own task" guide does."""
+
+    def data(self, config: Config) -> TaskData:
+        if not isinstance(config.data, MnistDataConfig):
+            raise ValueError(
+                f"Expected data=mnist for the MNIST task, got "
+                f"{type(config.data).__name__} instead."
+            )
+        arrays = load_mnist(config.data.path, config.data.cache_dir)
+        t = config.trainer
+        # Each process loads only its share of every global batch.
+        share = {
+            "process_index": jax.process_index(),
+            "process_count": jax.process_count(),
+        }
+        train_data = lowtrain.ArrayBatches(
+            {"x": arrays["x_train"], "y": arrays["y_train"]},
+            t.batch_size,
+            seed=t.seed,
+            **share,
         )
-    arrays = load_mnist(config.data.path, config.data.cache_dir)
-    t = config.trainer
-    # Each process loads only its share of every global batch.
-    share = {"process_index": jax.process_index(), "process_count": jax.process_count()}
-    train_data = lowtrain.ArrayBatches(
-        {"x": arrays["x_train"], "y": arrays["y_train"]},
-        t.batch_size,
-        seed=t.seed,
-        **share,
-    )
-    n_test = len(arrays["y_test"])
-    test_data = lowtrain.ArrayBatches(  # in order; all of it if the size divides
-        {"x": arrays["x_test"], "y": arrays["y_test"]},
-        min(t.eval_batch_size, n_test),
-        shuffle=False,
-        **share,
-    )
-    steps = _common.total_steps(config, train_data.steps_per_epoch)
-    model_key, state_key = jax.random.split(jax.random.key(t.seed))
-    model = build_model(config, key=model_key)
-    trainer_class = UnitMnistTrainer if isinstance(model, UnitMLP) else MnistTrainer
-    trainer = trainer_class(
-        model,
-        _common.optimizer(cfg, steps, decay_mask, model),
-        **_common.trainer_options(config),
-    )
-    state = _common.fit(
-        trainer,
-        config,
-        train_data,
-        test_data,
-        steps,
-        out,
-        key=state_key,
-        cfg=cfg,
-        data_fingerprint={"digests": digests(arrays)},
-    )
-    test = trainer.run_evaluation(state, test_data)
-    return {
-        "final": {"test_accuracy": test["accuracy"], "test_loss": test["loss"]},
-        "steps": int(state.step),
-        "epochs": int(state.step) / train_data.steps_per_epoch,
-        "test_examples": test_data.steps_per_epoch * test_data.batch_size,
-        "parameters": _common.count_parameters(model),
-        "skipped_steps": int(state.skipped),
-        "final_loss_scale": _common.final_loss_scale(state),
-    }
+        n_test = len(arrays["y_test"])
+        test_data = lowtrain.ArrayBatches(  # in order, every image
+            {"x": arrays["x_test"], "y": arrays["y_test"]},
+            min(t.eval_batch_size, n_test),
+            shuffle=False,
+            **share,
+        )
+        return TaskData(train_data, test_data, {"digests": digests(arrays)})
+
+    def model(self, config: Config, *, key: PRNGKeyArray) -> eqx.Module:
+        return build_model(config, key=key)
+
+    def trainer_class(self, config: Config, model) -> type[lowtrain.Trainer]:
+        if self.trainer is not None:  # a subclass's own
+            return self.trainer
+        return UnitMnistTrainer if isinstance(model, UnitMLP) else MnistTrainer
+
+    def decay_mask(self, params):
+        return decay_mask(params)
+
+    def results(self, trainer, state, data: TaskData, config: Config, out) -> dict:
+        test = trainer.run_evaluation(state, data.eval)
+        train_data, test_data = data.train, data.eval
+        return {
+            "final": {"test_accuracy": test["accuracy"], "test_loss": test["loss"]},
+            "steps": int(state.step),
+            "epochs": int(state.step) / train_data.steps_per_epoch,
+            "test_examples": _evaluated(test_data),
+        }
+
+
+def _evaluated(data: lowtrain.ArrayBatches) -> int:
+    # The test images an evaluation sees, over all processes (a last partial batch
+    # only on one process: see `ArrayBatches`).
+    full = data.steps_per_epoch * data.batch_size
+    return data.num_examples if data.process_count == 1 else full

@@ -204,17 +204,29 @@ def _is_str(node) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str)
 
 
+# What a precision or transform is called, by a class, a policy or a format.
+_TRANSFORM_NAMES = re.compile(
+    r"amp|scalify|rewrite|delayed|unit|fp8|fp16|bf16|fp32|float|e4m3|e5m2|policy",
+    re.I,
+)
+
+
+def _is_name(node) -> bool:
+    return _is_str(node) and bool(_TRANSFORM_NAMES.search(node.value))
+
+
 def _compares_to_a_name(node: ast.Compare) -> bool:
     """`x == "amp"`, `x != "scalify"`, `x in ("amp", "scalify")` and the like
-    (`"key" in mapping` is a lookup, not a branch on a name)."""
+    (`"key" in mapping` is a lookup, not a branch on a name; `mode == "min"` is
+    not a transform's name)."""
     for op, right in zip(node.ops, node.comparators):
         if isinstance(op, ast.Eq | ast.NotEq | ast.Is | ast.IsNot):
-            if _is_str(node.left) or _is_str(right):
+            if _is_name(node.left) or _is_name(right):
                 return True
         if isinstance(op, ast.In | ast.NotIn) and isinstance(
             right, ast.Tuple | ast.List | ast.Set
         ):
-            if any(_is_str(e) for e in right.elts):
+            if any(_is_name(e) for e in right.elts):
                 return True
     return False
 
@@ -223,7 +235,9 @@ def test_the_name_check_sees_comparisons():
     parse = lambda src: ast.parse(src).body[0].value  # noqa: E731
     assert _compares_to_a_name(parse('t == "scalify"'))
     assert _compares_to_a_name(parse('t in ("amp", "scalify")'))
+    assert _compares_to_a_name(parse('type(p).__name__ == "DelayedFp8"'))
     assert not _compares_to_a_name(parse('"lr" in hyperparams'))
+    assert not _compares_to_a_name(parse('mode in ("min", "max")'))
 
 
 def test_trainer_compares_no_transform_names():

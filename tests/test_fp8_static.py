@@ -76,7 +76,8 @@ def test_static_scale_has_no_amax_pass_and_dots_of_fp8(getkey, monkeypatch):
         assert {np.dtype(v.aval.dtype) for v in e.invars} <= F8
     static = jax.make_jaxpr(lambda x, w: fp8.fp8_dot_general(x, w, DN, scale=1.0))
     names = {e.primitive.name for e in iter_eqns(static(x, w).jaxpr)}
-    assert not names & {"reduce_max", "reduce_min", "abs"}
+    # (An elementwise `abs` remains: `isinf`, which keeps infinities non-finite.)
+    assert not names & {"reduce_max", "reduce_min"}
     # Current scaling reads each operand for its amax.
     current = jax.make_jaxpr(lambda x, w: fp8.fp8_dot_general(x, w, DN))(x, w)
     assert "reduce_max" in {e.primitive.name for e in iter_eqns(current.jaxpr)}

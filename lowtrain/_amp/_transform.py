@@ -200,12 +200,14 @@ class _AmpInterpreter(Interpreter):
         action = self.policy.action("dot_general", eqn.scopes)
         if action == KEEP:
             return self._as_written(eqn, (lhs, rhs))[0]
-        dn, scales = config
+        dn, scales, rounding = config
         if action in (COMPUTE, FP8):
             out = self.policy.compute_dtype
         else:
             out = self._target(action, [lhs, rhs], eqn.weak)
-        return fp8.fp8_dot_general(lhs, rhs, dn, scale=scales, out_dtype=out)
+        return fp8.fp8_dot_general(
+            lhs, rhs, dn, scale=scales, out_dtype=out, rounding=rounding
+        )
 
     def _target(self, action, invals, weak):
         floats = [v.dtype for v in invals if _is_float(v.dtype)]

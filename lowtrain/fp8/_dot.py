@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -15,15 +16,17 @@ from .._compat import current_vmap
 from .._scopes import AMP_STOP_SCOPE
 from ._formats import E4M3, E5M2
 from ._quantize import (
+    ROUNDINGS,
     DelayedScale,
     amax,
     current_scale,
     dequantize,
     from_bits,
-    quantize,
+    quantize_at,
     record,
     to_bits,
 )
+from ._sites import KEEP_SCOPE, Site, conv_gemm, matmul_sites, probed
 
 F32 = jnp.float32
 
@@ -39,9 +42,38 @@ def _exact(fn):
     return wrapper
 
 
-def _qdq(x, dtype, scale, out_dtype):
+def _qdq(x, dtype, scale, out_dtype, site: Site | None = None, rounding="nearest"):
     # Quantize then dequantize: the operand's values after the round trip through FP8.
-    return dequantize(quantize(x, dtype, scale), scale, out_dtype)
+    q = quantize_at(x, dtype, scale, site=site, rounding=rounding)
+    return dequantize(q, scale, out_dtype)
+
+
+def gemm_of(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int, int]:
+    """`(batch, M, N, K)` of a `dot_general` of these shapes (`gemm_dims` and the
+    product of the batch dimensions): its FLOPs are `2 * batch * M * N * K`."""
+    (_, _), (lb, _) = dimension_numbers
+    batch = math.prod(int(lhs_shape[d]) for d in lb)
+    return (batch, *gemm_dims(lhs_shape, rhs_shape, dimension_numbers))
+
+
+def _sites_of(op, lhs, rhs, dn, applied: bool = True) -> dict[str, Site]:
+    # The cast sites of `op(lhs, rhs)`: a `dot_general` with dimension numbers `dn`,
+    # or (dn None) a convolution `op`, whose output shape JAX infers.
+    lhs_shape, rhs_shape = jnp.shape(lhs), jnp.shape(rhs)
+    if dn is not None:
+        gemm = gemm_of(lhs_shape, rhs_shape, dn)
+    else:  # `op` is a `functools.partial` of `lax.conv_general_dilated`
+        params = {**op.keywords, "preferred_element_type": None}
+        out = jax.eval_shape(functools.partial(op.func, **params), lhs, rhs).shape
+        spec = op.keywords.get("dimension_numbers")
+        gemm = conv_gemm(rhs_shape, out, _conv_features(lhs_shape, rhs_shape, spec))
+    return matmul_sites(lhs_shape, rhs_shape, gemm, applied)
+
+
+def _conv_features(lhs_shape, rhs_shape, dimension_numbers) -> int:
+    # A convolution's output features: the size of the kernel's "O" dimension.
+    spec = lax.conv_dimension_numbers(lhs_shape, rhs_shape, dimension_numbers)
+    return int(rhs_shape[spec.rhs_spec[0]])
 
 
 def f8_dot_lowering() -> bool:
@@ -96,26 +128,29 @@ def _scaled_out(ql, sl, qr, sr, op, dn, out_dtype):
     return op(dequantize(ql, sl, out_dtype), dequantize(qr, sr, out_dtype))
 
 
-def _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype):
+def _scaled_grads(
+    g, sg, ql, sl, qr, sr, op, dn, out_dtype, site: Site, rounding="nearest"
+):
     """The gradients of `_scaled_out` for the output cotangent `g`, which is quantized
-    to E5M2 with scale `sg` (to be cast to each operand's dtype)."""
+    to E5M2 with scale `sg` (to be cast to each operand's dtype) as cast `site`."""
     if dn is not None and f8_dot_lowering():
-        g8 = quantize(g, E5M2, sg)
+        g8 = quantize_at(g, E5M2, sg, site=site, rounding=rounding)
         (lc, rc), (lb, rb) = dn
         dl = _dot_grad(g8, ql, qr, dn, swap=False) * (sg * sr)
         dr = _dot_grad(g8, qr, ql, ((rc, lc), (rb, lb)), swap=True) * (sg * sl)
         return dl, dr
     _, vjp = jax.vjp(op, dequantize(ql, sl, out_dtype), dequantize(qr, sr, out_dtype))
-    return vjp(_qdq(g, E5M2, sg, out_dtype))
+    return vjp(_qdq(g, E5M2, sg, out_dtype, site, rounding))
 
 
-def _fp8_op(op, lhs, rhs, out_dtype, margin, dn=None):
+def _fp8_op(op, lhs, rhs, out_dtype, margin, dn=None, rounding="nearest"):
     """`op(lhs, rhs)` with both operands through E4M3, its cotangent through E5M2;
     `dn`: `op` is `dot_general` with these dimension numbers (GPU: `_f8_dot`).
 
     The residuals saved for the backward pass are the FP8 operands (as their bits)
     and their scales.
     """
+    sites = _sites_of(op, lhs, rhs, dn)
 
     @jax.custom_vjp
     @_exact
@@ -126,7 +161,8 @@ def _fp8_op(op, lhs, rhs, out_dtype, margin, dn=None):
     def fwd(lhs, rhs):
         sl = current_scale(lhs, E4M3, margin=margin)
         sr = current_scale(rhs, E4M3, margin=margin)
-        ql, qr = quantize(lhs, E4M3, sl), quantize(rhs, E4M3, sr)
+        ql = quantize_at(lhs, E4M3, sl, site=sites["lhs"], rounding=rounding)
+        qr = quantize_at(rhs, E4M3, sr, site=sites["rhs"], rounding=rounding)
         out = _scaled_out(ql, sl, qr, sr, op, dn, out_dtype)
         return out, (to_bits(ql), sl, to_bits(qr), sr)
 
@@ -135,7 +171,8 @@ def _fp8_op(op, lhs, rhs, out_dtype, margin, dn=None):
         bl, sl, br, sr = res
         ql, qr = from_bits(bl, E4M3), from_bits(br, E4M3)
         sg = current_scale(g, E5M2, margin=margin)
-        dl, dr = _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype)
+        site = sites["grad"]
+        dl, dr = _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype, site, rounding)
         return dl.astype(lhs.dtype), dr.astype(rhs.dtype)
 
     run.defvjp(fwd, bwd)
@@ -150,6 +187,7 @@ def fp8_dot_general(
     out_dtype=None,
     margin: int = 0,
     scale: float | tuple[float, float, float] | None = None,
+    rounding: str = "nearest",
 ) -> Array:
     """`lax.dot_general` in FP8, with per-tensor current scaling or a static scale.
 
@@ -169,6 +207,10 @@ def fp8_dot_general(
     (`lowtrain.unit_scaling.simulate_fp8`, the `unit_fp8` recipes). Under
     `lowtrain.amp` a static-scale product comes back in the policy's compute dtype.
 
+    `rounding` is the three casts' (`quantize`): "nearest", or "stochastic"
+    (unbiased, its draws a hash of each value and its index; on a GPU the products
+    are FP8 GEMMs of the stochastically rounded operands all the same).
+
     ```python
     import jax
     import jax.numpy as jnp
@@ -184,15 +226,20 @@ def fp8_dot_general(
     assert float(y1[0, 0]) == 448.0 + 0.3125
     ```
     """
+    if rounding not in ROUNDINGS:
+        raise ValueError(
+            f"Expected `rounding` among {', '.join(ROUNDINGS)}, got {rounding!r} "
+            "instead."
+        )
     if scale is not None:
-        return _static(lhs, rhs, dimension_numbers, scale, out_dtype)
+        return _static(lhs, rhs, dimension_numbers, scale, out_dtype, rounding)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     op = functools.partial(
         lax.dot_general,
         dimension_numbers=dimension_numbers,
         preferred_element_type=out_dtype,
     )
-    return _fp8_op(op, lhs, rhs, out_dtype, margin, dimension_numbers)
+    return _fp8_op(op, lhs, rhs, out_dtype, margin, dimension_numbers, rounding)
 
 
 def gemm_dims(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int]:
@@ -236,19 +283,23 @@ def _normal_dn(dimension_numbers) -> tuple:
     return tuple(tuple(tuple(map(int, d)) for d in pair) for pair in dimension_numbers)
 
 
-def _static(lhs, rhs, dimension_numbers, scale, out_dtype) -> Array:
+def _static(lhs, rhs, dimension_numbers, scale, out_dtype, rounding) -> Array:
     scales = _static_scales(scale)
     dn = _normal_dn(dimension_numbers)
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     on_batch = _on_whole_batch(
-        lambda lhs, rhs, dn: _static(lhs, rhs, dn, scales, out_dtype), lhs, rhs, dn
+        lambda lhs, rhs, dn: _static(lhs, rhs, dn, scales, out_dtype, rounding),
+        lhs,
+        rhs,
+        dn,
     )
     if on_batch is not None:
         return on_batch
     dtypes = (jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype), out_dtype)
     ranks = (jnp.ndim(lhs), jnp.ndim(rhs))
     # The lowering is part of the key: a jit traces once, and the backend decides it.
-    return _static_op(dn, dtypes, scales, ranks, f8_dot_lowering())(lhs, rhs)
+    static = _static_op(dn, dtypes, scales, ranks, f8_dot_lowering(), rounding)
+    return static(lhs, rhs)
 
 
 def fp8_conv_general_dilated(
@@ -439,10 +490,15 @@ def _delayed_op(dimension_numbers, dtypes, treedef, ranks):
         preferred_element_type=out_dtype,
     )
 
+    def sites_for(lhs, rhs):
+        return _sites_of(op, lhs, rhs, dimension_numbers)
+
     @_exact
     def product(lhs, rhs, scales):
         ls, rs, _ = scales
-        ql, qr = quantize(lhs, E4M3, ls.scale), quantize(rhs, E4M3, rs.scale)
+        sites = sites_for(lhs, rhs)
+        ql = quantize_at(lhs, E4M3, ls.scale, site=sites["lhs"])
+        qr = quantize_at(rhs, E4M3, rs.scale, site=sites["rhs"])
         out = _scaled_out(ql, ls.scale, qr, rs.scale, op, dimension_numbers, out_dtype)
         return out, ql, qr
 
@@ -461,8 +517,9 @@ def _delayed_op(dimension_numbers, dtypes, treedef, ranks):
     def bwd(res, g):
         bl, br, sl, sr, (rec_l, rec_r), gs = res
         ql, qr = from_bits(bl, E4M3), from_bits(br, E4M3)
+        site = sites_for(ql, qr)["grad"]
         dl, dr = _scaled_grads(
-            g, gs.scale, ql, sl, qr, sr, op, dimension_numbers, out_dtype
+            g, gs.scale, ql, sl, qr, sr, op, dimension_numbers, out_dtype, site
         )
         # The "gradients" of the scales are this call's records (see `record`).
         records = (rec_l, rec_r, _record(gs, g))
@@ -484,13 +541,13 @@ _STATIC: dict[str, tuple] = {}
 
 def static_dot_config(eqn) -> tuple | None:
     """For an equation (a `lowtrain._eqn.Eqn`) of a static-scale `fp8_dot_general`
-    as called: `(dimension_numbers, scales)`; None for any other (a jit of another
-    name, or one `jax.vmap` batched into more axes)."""
+    as called: `(dimension_numbers, scales, rounding)`; None for any other (a jit of
+    another name, or one `jax.vmap` batched into more axes)."""
     return _registered(eqn, _STATIC)
 
 
 @functools.cache
-def _static_op(dimension_numbers, dtypes, scales, ranks, f8_dots):
+def _static_op(dimension_numbers, dtypes, scales, ranks, f8_dots, rounding):
     lhs_dtype, rhs_dtype, out_dtype = dtypes
     sl, sr, sg = scales
     op = functools.partial(
@@ -499,6 +556,9 @@ def _static_op(dimension_numbers, dtypes, scales, ranks, f8_dots):
         preferred_element_type=out_dtype,
     )
 
+    def sites_for(lhs, rhs):
+        return _sites_of(op, lhs, rhs, dimension_numbers)
+
     @jax.custom_vjp
     def run(lhs, rhs):
         return fwd(lhs, rhs)[0]
@@ -506,7 +566,9 @@ def _static_op(dimension_numbers, dtypes, scales, ranks, f8_dots):
     @_exact
     def fwd(lhs, rhs):
         # The scales are Python numbers: constants XLA folds (1: no multiply at all).
-        ql, qr = quantize(lhs, E4M3, sl), quantize(rhs, E4M3, sr)
+        sites = sites_for(lhs, rhs)
+        ql = quantize_at(lhs, E4M3, sl, site=sites["lhs"], rounding=rounding)
+        qr = quantize_at(rhs, E4M3, sr, site=sites["rhs"], rounding=rounding)
         dn = dimension_numbers if f8_dots else None  # None: the dequantized product
         out = _scaled_out(ql, sl, qr, sr, op, dn, out_dtype)
         return out, (to_bits(ql), to_bits(qr))
@@ -515,7 +577,8 @@ def _static_op(dimension_numbers, dtypes, scales, ranks, f8_dots):
     def bwd(res, g):
         ql, qr = (from_bits(b, E4M3) for b in res)
         dn = dimension_numbers if f8_dots else None
-        dl, dr = _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype)
+        site = sites_for(ql, qr)["grad"]
+        dl, dr = _scaled_grads(g, sg, ql, sl, qr, sr, op, dn, out_dtype, site, rounding)
         return dl.astype(lhs_dtype), dr.astype(rhs_dtype)
 
     run.defvjp(fwd, bwd)
@@ -523,4 +586,68 @@ def _static_op(dimension_numbers, dtypes, scales, ranks, f8_dots):
     def call(lhs, rhs):
         return run(lhs, rhs)
 
-    return _register(call, _STATIC_NAME, _STATIC, (dimension_numbers, scales, ranks))
+    config = (dimension_numbers, scales, rounding, ranks)
+    return _register(call, _STATIC_NAME, _STATIC, config)
+
+
+def keep_op(op, lhs: Array, rhs: Array, *, amax: bool = False) -> Array:
+    """`op(lhs, rhs)` as written: a `lowtrain.rewrite` rule for a matmul (or
+    convolution) kept out of FP8. It runs inside the `KEEP_SCOPE` named scope
+    (`"lowtrain.fp8_keep"`), its
+    backward pass too (a policy that would put it in FP8 maps the scope to its
+    compute dtype), and forward and backward it names shadows of the three casts FP8
+    would perform (`lowtrain.fp8._sites.probed`: scale 1 as unit scaling's casts,
+    or with `amax` each tensor's own amax, as current scaling), so a numerics
+    report still judges the matmul and a plan can move it back into FP8. Values and
+    gradients are `op`'s: the shadows are multiplications by 1, which XLA removes.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain
+    import lowtrain.fp8 as fp8
+
+    f = lowtrain.rewrite(lambda x, w: x @ w, {"dot_general": fp8.keep_op})
+    x, w = jnp.array([[1.0 + 2**-5, 1e-4]]), jnp.ones((2, 1))
+    assert jnp.array_equal(f(x, w), x @ w)  # not rounded to FP8
+    ```
+    """
+    params = getattr(op, "params", None) or {}
+    prim = getattr(getattr(op, "primitive", None), "name", "")
+    if prim == "dot_general":
+        dn = params["dimension_numbers"]
+        sites = matmul_sites(
+            jnp.shape(lhs), jnp.shape(rhs), gemm_of(jnp.shape(lhs), jnp.shape(rhs), dn)
+        )
+    elif prim == "conv_general_dilated":
+        out = jax.eval_shape(op, lhs, rhs).shape
+        spec = params["dimension_numbers"]
+        features = _conv_features(jnp.shape(lhs), jnp.shape(rhs), spec)
+        sites = matmul_sites(
+            jnp.shape(lhs), jnp.shape(rhs), conv_gemm(jnp.shape(rhs), out, features)
+        )
+    else:  # a plain function: no GEMM to name
+        sites = matmul_sites(jnp.shape(lhs), jnp.shape(rhs))
+    shadow = dict(applied=False, amax=amax)
+    sites = {k: dataclasses.replace(v, **shadow) for k, v in sites.items()}
+
+    def wide(lhs, rhs):
+        with jax.named_scope(KEEP_SCOPE):
+            return op(lhs, rhs)
+
+    def forward(lhs, rhs):
+        return wide(probed(lhs, sites["lhs"]), probed(rhs, sites["rhs"]))
+
+    @jax.custom_vjp
+    def run(lhs, rhs):
+        return forward(lhs, rhs)
+
+    def fwd(lhs, rhs):
+        return forward(lhs, rhs), (lhs, rhs)
+
+    def bwd(res, g):
+        _, vjp = jax.vjp(wide, *res)
+        return vjp(probed(g, sites["grad"]))
+
+    run.defvjp(fwd, bwd)
+    return run(lhs, rhs)

@@ -8,17 +8,26 @@ divides by the scale and dequantizing multiplies by it.
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, ArrayLike, Float
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray
 
 from .._pow2 import pow2_round
 from ._formats import fp8_max
+from ._sites import Site
 
 F32 = jnp.float32
 
 
-def quantize(x: ArrayLike, dtype, scale: ArrayLike = 1.0) -> Array:
+def quantize(
+    x: ArrayLike,
+    dtype,
+    scale: ArrayLike = 1.0,
+    *,
+    rounding: str = "nearest",
+    key: PRNGKeyArray | None = None,
+) -> Array:
     """FP8 `data` with `x ~= data * scale`: `x / scale`, clipped to the format, cast.
 
     Saturating, as the FP8 formats paper prescribes: finite values beyond the
@@ -26,23 +35,102 @@ def quantize(x: ArrayLike, dtype, scale: ArrayLike = 1.0) -> Array:
     has no infinity: a bare `astype` turns anything at or above 464 into NaN) or inf
     (E5M2). Infinities are not saturated: they become NaN in E4M3 and stay `+-inf`
     in E5M2, so a step whose tensors overflowed stays non-finite and the Trainer's
-    finiteness check skips it (a 448 would hide it). NaN stays NaN. Rounding is to
-    nearest, ties to even, and subnormals are kept, exactly as `ml_dtypes` casts.
+    finiteness check skips it (a 448 would hide it). NaN stays NaN.
+
+    `rounding="nearest"` (the default): to nearest, ties to even, subnormals kept,
+    exactly as `ml_dtypes` casts. `rounding="stochastic"`: each value rounds to one
+    of its two FP8 neighbours, up with probability equal to its distance from the
+    lower one over their gap, so the cast is unbiased: `E[data * scale] = x` (up to
+    saturation). The uniform draws come from `key` if given; otherwise from a hash of
+    each value's bits and index, so the rounding is deterministic given the tensor
+    (a new step's tensor, new draws) and needs no key threaded through a model
+    (`lowtrain.unit_scaling.fp8_cast_rules(rounding=)`).
+
+    The division by the scale runs inside a `jax.named_scope` naming the cast
+    (`lowtrain.fp8._sites`), where `lowtrain.numerics.track(fn, casts=True)` reads
+    the values as the cast sees them.
 
     ```python
+    import jax
     import jax.numpy as jnp
     import lowtrain.fp8 as fp8
 
     data = fp8.quantize(jnp.array([1e4, -300.0, 3.0]), fp8.E4M3, scale=2.0)
     assert data.dtype == fp8.E4M3
-    assert data.astype(jnp.float32).tolist() == [448.0, -150.0, 1.5]
+    assert data.astype(jnp.float32).tolist() == [448.0, -144.0, 1.5]  # -150: 3 bits
     assert jnp.isnan(fp8.quantize(jnp.array(jnp.inf), fp8.E4M3).astype(jnp.float32))
+    # 1 + 2**-5 lies a quarter of the way from 1 to 1.125: rounded up a quarter of
+    # the time, so the mean is the value.
+    x = jnp.full(20000, 1 + 2**-5)
+    up = fp8.quantize(x, fp8.E4M3, rounding="stochastic", key=jax.random.key(0))
+    assert abs(float(up.astype(jnp.float32).mean()) - (1 + 2**-5)) < 2e-3
     ```
     """
+    return quantize_at(x, dtype, scale, rounding=rounding, key=key)
+
+
+def quantize_at(
+    x: ArrayLike,
+    dtype,
+    scale: ArrayLike = 1.0,
+    *,
+    rounding: str = "nearest",
+    key: PRNGKeyArray | None = None,
+    site: Site | None = None,
+) -> Array:
+    # `quantize`, its division named as `site` (the caller's matmul and role; see
+    # `_sites.py`) or as a cast of `dtype` outside a matmul.
     fmax = fp8_max(dtype)
-    scaled = jnp.asarray(x).astype(F32) / jnp.asarray(scale, F32)
+    if rounding not in ROUNDINGS:
+        raise ValueError(
+            f"Expected `rounding` among {', '.join(ROUNDINGS)}, got {rounding!r} "
+            "instead."
+        )
+    site = site or Site(str(jnp.dtype(dtype)))
+    s = jnp.asarray(scale, F32)
+    x32 = jnp.asarray(x).astype(F32)
+    with jax.named_scope(site.scope()):
+        scaled = x32 / s
     clipped = jnp.clip(scaled, -fmax, fmax)
+    if rounding == "stochastic":
+        clipped = _stochastic(clipped, jnp.dtype(dtype), key, ROLES_SALT[site.role])
     return jnp.where(jnp.isinf(scaled), scaled, clipped).astype(dtype)
+
+
+ROUNDINGS = ("nearest", "stochastic")
+# A different hash stream for each role of a matmul's casts, so that the two
+# operands of `x @ x` do not round alike.
+ROLES_SALT = {"": 0x243F6A88, "lhs": 0x85A308D3, "rhs": 0x13198A2E, "grad": 0x03707344}
+
+
+def _uniform_bits(v: Array, key, salt: int) -> Array:
+    # 32 uniform bits per value: from `key`, or a hash of the value's bits and index
+    # (murmur3's finaliser; multiplications and shifts wrap in uint32).
+    if key is not None:
+        return jax.random.bits(key, v.shape, jnp.uint32)
+    u32 = jnp.uint32
+    index = jnp.arange(v.size, dtype=u32).reshape(v.shape)
+    h = lax.bitcast_convert_type(v, u32) ^ (index * u32(0x9E3779B9)) ^ u32(salt)
+    h = h ^ (h >> u32(16))
+    h = h * u32(0x85EBCA6B)
+    h = h ^ (h >> u32(13))
+    h = h * u32(0xC2B2AE35)
+    return h ^ (h >> u32(16))
+
+
+def _stochastic(v: Array, dtype, key, salt: int) -> Array:
+    """`v` (float32, within the format's range) rounded to a neighbour in `dtype`
+    at random, up with probability (distance to the lower one) / gap: the gap is
+    `2**(e - mantissa bits)` for a value of exponent `e`, the subnormals' below the
+    smallest normal exponent. The result is exact in `dtype`."""
+    info = jnp.finfo(dtype)
+    i32 = jnp.int32
+    exponent = (lax.bitcast_convert_type(jnp.abs(v), i32) >> 23) - 127  # -127 for 0
+    exponent = jnp.maximum(exponent, info.minexp)
+    gap = lax.bitcast_convert_type((exponent - info.nmant + 127) << 23, F32)
+    u = (_uniform_bits(v, key, salt) >> jnp.uint32(8)).astype(F32) * F32(2.0**-24)
+    rounded = jnp.floor(jnp.abs(v) / gap + u) * gap  # v / gap exact: gap is 2**k
+    return jnp.where(v < 0, -rounded, rounded)
 
 
 def dequantize(data: ArrayLike, scale: ArrayLike = 1.0, dtype=F32) -> Array:

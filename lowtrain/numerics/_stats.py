@@ -99,27 +99,32 @@ def _ratio(x: Array, top: Array) -> Array:
     return (x * s) / (top * s)
 
 
-def empty_stats() -> tuple[Float[Array, " 2"], Int[Array, " n"]]:
-    """The record of no values: `merge`'s identity."""
-    return jnp.zeros(2, jnp.float32), jnp.zeros(N_COUNTS, jnp.int32)
+def empty_stats(layers: int = 0) -> tuple[Float[Array, "*L 2"], Int[Array, "*L n"]]:
+    """The record of no values: `merge`'s identity (one per layer with `layers`)."""
+    lead = (layers,) if layers else ()
+    return jnp.zeros((*lead, 2), jnp.float32), jnp.zeros((*lead, N_COUNTS), jnp.int32)
 
 
 def merge(a, b):
-    """The record of the values of records `a` and `b` together (exact)."""
-    (amax, asq), (bmax, bsq) = a[0], b[0]
+    """The record of the values of records `a` and `b` together (exact); records
+    with a leading layer axis merge layer by layer."""
+    (am, ac), (bm, bc) = a, b
+    amax, asq, bmax, bsq = am[..., 0], am[..., 1], bm[..., 0], bm[..., 1]
     top = jnp.maximum(amax, bmax)
     safe = jnp.where(top > 0, top, 1.0)
     sumsq = asq * jnp.square(_ratio(amax, safe)) + bsq * jnp.square(_ratio(bmax, safe))
-    return jnp.stack([top, sumsq]), a[1] + b[1]
+    return jnp.stack([top, sumsq], -1), ac + bc
 
 
-def merge_stacked(moments, counts):
-    """The record of records stacked along their leading axes (a scan's)."""
-    moments = moments.reshape(-1, 2)
-    top = jnp.max(moments[:, 0], initial=0.0)
+def merge_stacked(moments, counts, keep: int = 0):
+    """The record of records stacked along their leading axes (a scan's), keeping
+    the last `keep` axes before the record's own (a layer axis, say) apart."""
+    lead = moments.shape[moments.ndim - 1 - keep : -1]
+    moments = moments.reshape(-1, *lead, 2)
+    top = jnp.max(moments[..., 0], axis=0, initial=0.0)
     safe = jnp.where(top > 0, top, 1.0)
-    sumsq = jnp.sum(moments[:, 1] * jnp.square(_ratio(moments[:, 0], safe)))
-    return jnp.stack([top, sumsq]), counts.reshape(-1, N_COUNTS).sum(0)
+    sumsq = jnp.sum(moments[..., 1] * jnp.square(_ratio(moments[..., 0], safe)), 0)
+    return jnp.stack([top, sumsq], -1), counts.reshape(-1, *lead, N_COUNTS).sum(0)
 
 
 def finish(moments: np.ndarray, counts: np.ndarray) -> list[dict]:
@@ -183,51 +188,58 @@ def _padded(x: Array) -> Float[Array, " n"]:
 # computed only when some chunk needs them.
 SCALES = (100, 39, -70)
 SPLITS = (2.0**-60, 2.0**19)
-# The smallest bit pattern of `|x|` for which a chunk needs its high-scale sum or
-# counts an overflow or a NaN: below it, those are zero.
-_HIGH_FROM = int(min(_LOWEST[len(FORMATS) + 1 :].min(), _bits(SPLITS[1])))
+# The smallest bit pattern of `|x|` for which a chunk needs its high-scale sum: below
+# it, that sum is zero.
+_HIGH_FROM = _bits(SPLITS[1])
 
 
 def _add(p, q):
     return [s + t for s, t in zip(p, q)]
 
 
-def _chunk_sums(v: Float[Array, " n"]):
-    """Per chunk of `v` (float32, whole chunks): the largest `|x|`, the sum of squares
-    at the middle of SCALES, and the number of values at or past each of the first
-    `len(FORMATS) + 1` of `_LOWEST` (nonzero, not lost to underflow).
+def _packed_flags(bits: Array) -> list[Array]:
+    # Every count of `_LOWEST` for each value, two to an int32 (16 bits each: a chunk
+    # counts at most CHUNK = 1024 of each), so one reduction with few accumulators
+    # counts them all.
+    flags = [_at_least(bits, int(lowest)) for lowest in _LOWEST]
+    flags += [jnp.zeros_like(bits)] * (len(flags) % 2)
+    return [a + (b << 16) for a, b in zip(flags[::2], flags[1::2])]
 
-    One variadic reduction, reading `v` itself: XLA's CPU backend fuses it with the
+
+def _unpack(packed: Int[Array, "chunks p"]) -> Int[Array, "chunks n"]:
+    # `_packed_flags`' sums per chunk, unpacked: (chunks, len(_LOWEST)).
+    both = jnp.stack([packed & 0xFFFF, packed >> 16], -1)
+    return both.reshape(packed.shape[0], -1)[:, : len(_LOWEST)]
+
+
+def _chunk_sums(v: Float[Array, " n"]):
+    """Per chunk of `v` (float32, whole chunks): the largest `|x|` (as its bit
+    pattern), the sum of squares at the middle of SCALES, and every count of
+    `_LOWEST` (nonzero, not lost to underflow per format, overflow per format, NaN).
+
+    One variadic reduction, reading `v` once: XLA's CPU backend fuses it with the
     reads and vectorises it, as it does for an integer maximum (of the bit
-    patterns), integer counts and one float sum, not for a float maximum or two
-    float sums.
+    patterns), integer counts (packed two to an int32) and one float sum, not for a
+    float maximum or two float sums.
     """
-    k = len(FORMATS) + 1
     bits = (lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF).reshape(-1, CHUNK)
     a = lax.bitcast_convert_type(bits, jnp.float32)
-    operands = [bits, jnp.square(a * np.float32(2.0 ** SCALES[1]))]
-    operands += [_at_least(bits, int(lowest)) for lowest in _LOWEST[:k]]
-    init = [np.int32(0), np.float32(0)] + [np.int32(0)] * k
+    packed = _packed_flags(bits)
+    operands = [bits, jnp.square(a * np.float32(2.0 ** SCALES[1])), *packed]
+    init = [np.int32(0), np.float32(0)] + [np.int32(0)] * len(packed)
 
     def first(p, q):
         return [jnp.maximum(p[0], q[0])] + _add(p[1:], q[1:])
 
     top, mid, *counts = lax.reduce(operands, init, first, (1,))
-    return top, mid, jnp.stack(counts, 1)
+    return top, mid, _unpack(jnp.stack(counts, 1))
 
 
 def _high_sums(v: Float[Array, " n"]):
-    """Per chunk of `v`: the sum of squares at the last of SCALES and the counts of
-    the rest of `_LOWEST` (overflow per format, NaN). A second reduction, needed
-    only where some chunk's maximum reaches `_HIGH_FROM` (else all zero)."""
-    k = len(FORMATS) + 1
+    """Per chunk of `v`: the sum of squares at the last of SCALES. A second read,
+    needed only where some chunk holds a value of 2**19 or more (else zero)."""
     a = jnp.abs(v).reshape(-1, CHUNK)
-    bits = lax.bitcast_convert_type(a, jnp.int32)
-    operands = [jnp.square(a * np.float32(2.0 ** SCALES[2]))]
-    operands += [_at_least(bits, int(lowest)) for lowest in _LOWEST[k:]]
-    init = [np.float32(0)] + [np.int32(0)] * (len(_LOWEST) - k)
-    high, *more = lax.reduce(operands, init, _add, (1,))
-    return high, jnp.stack(more, 1)
+    return jnp.sum(jnp.square(a * np.float32(2.0 ** SCALES[2])), 1)
 
 
 def _low_sums(v: Float[Array, " n"]) -> Float[Array, " chunks"]:
@@ -278,7 +290,6 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
         filled += s
 
     n_chunks = sum(_chunks(s) for s in sizes)
-    n_more = len(_LOWEST) - len(FORMATS) - 1  # the counts of `_high_sums`
 
     def chunk_pass(xs):
         parts = [
@@ -292,20 +303,20 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
             return jax.tree.map(lambda *r: jnp.concatenate(r), *map(fn, parts))
 
         top_bits, mid, counts = per_chunk(_chunk_sums)
-        # The second reduction only if some chunk has values past _HIGH_FROM (in
-        # most batches of tensors none has: all zero), the third only if some chunk
-        # is tiny (below SPLITS[0]).
-        high, more = lax.cond(
+        # A second read only if some chunk holds values of 2**19 or more (for its
+        # RMS: every count is in the first), a third only if some chunk is tiny
+        # (below SPLITS[0]); in most batches of tensors neither.
+        high = lax.cond(
             jnp.any(top_bits >= _HIGH_FROM),
             lambda: per_chunk(_high_sums),
-            lambda: (jnp.zeros_like(mid), jnp.zeros((n_chunks, n_more), jnp.int32)),
+            lambda: jnp.zeros_like(mid),
         )
         chunk_max = lax.bitcast_convert_type(top_bits, jnp.float32)
         tiny = (chunk_max > 0) & (chunk_max < SPLITS[0])
         low = lax.cond(
             jnp.any(tiny), lambda: per_chunk(_low_sums), lambda: jnp.zeros_like(mid)
         )
-        return chunk_max, mid, high, jnp.concatenate([counts, more], 1), low
+        return chunk_max, mid, high, counts, low
 
     def never(xs):
         nan = jnp.full(n_chunks, np.nan, jnp.float32)

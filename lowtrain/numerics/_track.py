@@ -29,8 +29,16 @@ from jax import lax
 from .. import _compat
 from .._eqn import Eqn, is_float
 from .._interpret import FlatCall, Interpreter
-from ._report import Report
+from .._scopes import AMP_STOP_SCOPE
+from ..fp8._quantize import current_scale
+from ..fp8._sites import KEEP_SCOPE, Site
+from ._report import Meta, Report
 from ._stats import GROUP, batch_stats, empty_stats, merge, merge_stacked
+
+# Formats a plain cast narrows float32 to, judged in the casts report.
+_HALF = ("float16", "bfloat16")
+# Scopes lowtrain's transforms open, not the user's: left out of a cast's name.
+_OURS = (AMP_STOP_SCOPE, KEEP_SCOPE)
 
 
 def _name_stacks(closed, out: dict) -> dict:
@@ -52,12 +60,30 @@ _LAYOUT = frozenset(
 )
 
 
+def _site_of(scopes) -> tuple[Site | None, tuple[str, ...]]:
+    # The cast site among `scopes` (an FP8 cast's division, or a shadow's), and the
+    # user's scopes around it (lowtrain's own left out).
+    site, user = None, []
+    for scope in scopes:
+        found = Site.parse(scope)
+        if found is not None:
+            site = found
+        elif scope not in _OURS:
+            user.append(scope)
+    return site, tuple(user)
+
+
 class _TrackInterpreter(Interpreter):
-    def __init__(self, stacks: dict):
+    def __init__(self, stacks: dict, casts: bool = False):
         self.stacks = stacks
+        self.casts = casts  # only the casts to a narrower format (see `track`)
         self.records: list = []  # (meta, (moments, counts)) in program order
         self.raw = 0  # values of the records whose statistics are still to compute
         self.bwd = False
+        # Values computed from constants only (a mask, a broadcast constant), by id
+        # (the values kept alive, so ids stay unique): their casts are not recorded,
+        # as XLA would fold their statistics while compiling.
+        self.constant: dict[int, Any] = {}
 
     def record(self, meta, value) -> None:
         # Statistics are taken as soon as GROUP values wait for them, so that a
@@ -68,22 +94,56 @@ class _TrackInterpreter(Interpreter):
             if self.raw >= GROUP:
                 self.records, self.raw = _finish(self.records), 0
 
+    def _is_constant(self, value) -> bool:
+        return not isinstance(value, jax.core.Tracer) or id(value) in self.constant
+
     def _is_bwd(self, eqn: Eqn) -> bool:
         stack = self.stacks.get(eqn.outvars[0], "") if eqn.outvars else ""
         return self.bwd or "transpose(" in stack
 
     def rule(self, eqn: Eqn, *invals) -> list:
         outs = eqn.bind(*invals)
-        if eqn.primitive.name in _LAYOUT:
+        prim = eqn.primitive.name
+        if self.casts and all(self._is_constant(v) for v in invals):
+            self.constant.update((id(v), v) for v in outs)
+        if prim in _LAYOUT:
             return outs
-        name = "/".join((*eqn.scopes, eqn.primitive.name))
-        bwd = self._is_bwd(eqn)
+        pass_ = "bwd" if self._is_bwd(eqn) else "fwd"
+        if self.casts:
+            self._record_cast(eqn, invals, outs, pass_)
+            return outs
+        name = "/".join((*eqn.scopes, prim))
         for out, aval in zip(outs, eqn.out_avals):
             if is_float(aval):
-                meta = (name, eqn.primitive.name, "bwd" if bwd else "fwd")
-                meta = (*meta, str(aval.dtype), tuple(aval.shape))
+                meta = Meta(name, prim, pass_, str(aval.dtype), tuple(aval.shape))
                 self.record(meta, out)
         return outs
+
+    def _record_cast(self, eqn: Eqn, invals, outs, pass_: str) -> None:
+        # An FP8 cast's division by its scale (the value it rounds), a shadow's
+        # value (divided by its own scale for current scaling), or a plain cast of a
+        # wider float to float16/bfloat16 (its input, judged in its output format).
+        site, user = _site_of(eqn.scopes)
+        if site is not None:
+            if len(outs) != 1 or not is_float(eqn.out_avals[0]):
+                return
+            value = outs[0]
+            if site.amax:
+                value = value.astype(jnp.float32) / current_scale(value, site.fmt)
+            name = "/".join(user) or "(top)"
+            shape = tuple(eqn.out_avals[0].shape)
+            self.record(Meta(name, "fp8_cast", pass_, site.fmt, shape, site), value)
+        elif eqn.primitive.name == "convert_element_type":
+            (x,), (to,) = invals, eqn.out_avals
+            if not (is_float(eqn.in_avals[0]) and str(to.dtype) in _HALF):
+                return
+            if self._is_constant(x):  # a mask, say: nothing a precision decides
+                return
+            if jnp.finfo(eqn.in_avals[0].dtype).bits <= jnp.finfo(to.dtype).bits:
+                return
+            name = "/".join((*user, "convert_element_type"))
+            meta = Meta(name, "convert_element_type", pass_, str(to.dtype), x.shape)
+            self.record(meta, x)
 
     def join(self, types):
         return types[0]  # values keep the program's types
@@ -148,7 +208,13 @@ class _TrackInterpreter(Interpreter):
             unroll=p["unroll"],
         )
         for meta, (moments, counts) in zip(metas, stats):
-            self.record(meta, merge_stacked(moments, counts))
+            if not self.casts:  # one row over all iterations
+                self.record(meta, merge_stacked(moments, counts))
+            elif meta.layers:  # an inner scan's layers: merged over this one's
+                self.record(meta, merge_stacked(moments, counts, keep=1))
+            else:  # a row per iteration: the scan is over layers
+                meta = meta._replace(layers=int(p["length"]))
+                self.record(meta, (moments, counts))
         return [*carry, *ys]
 
     def _while(self, eqn: Eqn, *args):
@@ -164,8 +230,8 @@ class _TrackInterpreter(Interpreter):
             new = [s for _, s in records]
             return outs, new if acc is None else [merge(a, b) for a, b in zip(acc, new)]
 
-        acc_types = jax.eval_shape(lambda c: body((c, None))[1], list(init))
-        acc = [empty_stats() for _ in acc_types]
+        jax.eval_shape(lambda c: body((c, None))[1], list(init))  # learn `metas`
+        acc = [empty_stats(m.layers) for m in metas]
 
         def cond(carry):
             (pred,), _ = self._run(eqn, p["cond_jaxpr"], [*cond_consts, *carry[0]])
@@ -185,7 +251,7 @@ class _TrackInterpreter(Interpreter):
                 metas[i][:] = [m for m, _ in records]
                 mine = [s for _, s in records]
                 stats = [
-                    mine if j == i else [empty_stats() for _ in metas[j]]
+                    mine if j == i else [empty_stats(m.layers) for m in metas[j]]
                     for j in range(len(branches))
                 ]
                 return outs, stats
@@ -214,10 +280,10 @@ def _finish(records: list) -> list:
 
 
 @eqx.filter_jit
-def _tracked_call(fn, args, kwargs):
+def _tracked_call(fn, args, kwargs, casts: bool = False):
     call = FlatCall(fn, args, kwargs)
     closed = jax.make_jaxpr(call)(*call.inputs)
-    interp = _TrackInterpreter(_name_stacks(closed, {}))
+    interp = _TrackInterpreter(_name_stacks(closed, {}), casts)
     # The float inputs first (the weights, say): rows named by their path.
     paths = [
         jax.tree_util.keystr(path)
@@ -225,8 +291,8 @@ def _tracked_call(fn, args, kwargs):
         if eqx.is_array(leaf)
     ]
     for path, x in zip(paths, call.inputs):
-        if is_float(x):
-            meta = (f"input{path}", "input", "fwd", str(x.dtype), tuple(x.shape))
+        if is_float(x) and not casts:
+            meta = Meta(f"input{path}", "input", "fwd", str(x.dtype), tuple(x.shape))
             interp.record(meta, x)
     outs = interp.eval_jaxpr(closed, call.inputs)
     records = _finish(interp.records)
@@ -234,32 +300,37 @@ def _tracked_call(fn, args, kwargs):
     if not metas:
         moments, counts = empty_stats()
         return call.rebuild(outs), moments[:0], counts[:0], metas
-    moments = jnp.stack([m for _, (m, _) in records])  # (rows, 2)
-    counts = jnp.stack([c for _, (_, c) in records])  # (rows, N_COUNTS)
+    # (rows, 2) and (rows, N_COUNTS): a record with layers gives a row per layer.
+    moments = jnp.concatenate([m.reshape(-1, 2) for _, (m, _) in records])
+    counts = jnp.concatenate([c.reshape(-1, c.shape[-1]) for _, (_, c) in records])
     return call.rebuild(outs), moments, counts, metas
 
 
 class _Tracked(eqx.Module):
     fn: Callable
+    casts: bool = eqx.field(static=True, default=False)
 
     @property
     def __wrapped__(self):
         return self.fn
 
     def __call__(self, *args, **kwargs) -> tuple[Any, Report]:
-        outs, moments, counts, metas = _tracked_call(self.fn, args, kwargs)
+        outs, moments, counts, metas = _tracked_call(self.fn, args, kwargs, self.casts)
         if isinstance(moments, jax.core.Tracer):
             raise TypeError(
                 "Expected a tracked function to be called outside `jax.jit` (its "
                 "report is read on the host), got a call inside a traced function "
                 "instead. Jit the function you track: `track(jax.jit(fn))`."
             )
-        return outs, Report.from_stats(metas, np.asarray(moments), np.asarray(counts))
+        kind = "casts" if self.casts else "all"
+        stats = np.asarray(moments), np.asarray(counts)
+        return outs, Report.from_stats(metas, *stats, kind=kind)
 
 
-def track(fn: Callable) -> Callable[..., tuple[Any, Report]]:
+def track(fn: Callable, *, casts: bool = False) -> Callable[..., tuple[Any, Report]]:
     """`fn` returning `(fn's outputs, report)`: the statistics of every float tensor
-    its program makes, as a `lowtrain.numerics.Report`.
+    its program makes, as a `lowtrain.numerics.Report`; with `casts=True`, of every
+    tensor its program casts to a narrower format, as the cast sees it (below).
 
     `fn` is traced at the types it is called with and run, compiled, with every
     equation as written, so the outputs are `fn`'s values, to float rounding: the
@@ -286,6 +357,20 @@ def track(fn: Callable) -> Callable[..., tuple[Any, Report]]:
     transformed function is reported as it runs, in its own dtypes; a `ScaledArray`'s
     data and scale are separate arrays there, so its rows are its data as stored.
 
+    With `casts=True` the report judges what a precision does (`kind` "casts"):
+    only the tensors the program casts to a narrower format, each against the
+    format it is cast to. An FP8 cast of `lowtrain.fp8` (the `fp8` policy, delayed
+    scaling, the static-scale casts of unit scaling, scalify's casts) is read after
+    its scale, as the value it rounds, its row named by the user's scopes around the
+    matmul (`primitive` "fp8_cast"), its `site` saying the matmul's GEMM, the cast's
+    role (`lhs`, `rhs`, `grad`) and whether it is applied or a shadow (a matmul kept
+    wide by `lowtrain.fp8`'s `keep_op`: what its cast would see); a plain cast to
+    float16 or bfloat16 (`convert_element_type` from a wider float) is its input,
+    judged in its output format. Inside `lax.scan` each iteration has its own row
+    (`layer`: the recipes' GPTs scan over their blocks); an outer scan around that
+    is merged. Nothing else is read, so the tracked program costs little more than
+    `fn` to run and to compile; a program that casts nothing has an empty report.
+
     Like `amp`, the result is an `eqx.Module` wrapping `fn`, compiled once per input
     structure.
 
@@ -309,4 +394,4 @@ def track(fn: Callable) -> Callable[..., tuple[Any, Report]]:
     """
     if not callable(fn):
         raise TypeError(f"Expected a function or callable module, got {fn!r} instead.")
-    return _Tracked(fn)
+    return _Tracked(fn, bool(casts))

@@ -1,15 +1,30 @@
 """Training: `TrainState`, `Trainer` and its loop, the `Precision` protocol and its
-implementations, checkpoints, batches."""
+implementations, checkpoints and weights, loggers, batches."""
 
+from ._callbacks import BestCheckpoint as BestCheckpoint
+from ._callbacks import Callback as Callback
+from ._callbacks import EarlyStopping as EarlyStopping
+from ._callbacks import StopTraining as StopTraining
+from ._callbacks import best_checkpoint as best_checkpoint
 from ._checkpoint import CheckpointCorruptError as CheckpointCorruptError
 from ._checkpoint import checkpoint_extra as checkpoint_extra
 from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
 from ._data import ArrayBatches as ArrayBatches
+from ._data import from_grain as from_grain
+from ._data import from_iterable as from_iterable
 from ._finite import apply_if_finite as apply_if_finite
 from ._hooks import StepInfo as StepInfo
 from ._jit import async_filter_jit as async_filter_jit
+from ._loggers import CSVLogger as CSVLogger
+from ._loggers import JsonlLogger as JsonlLogger
+from ._loggers import Logger as Logger
+from ._loggers import LoggerBase as LoggerBase
+from ._loggers import MLflowLogger as MLflowLogger
+from ._loggers import TensorBoardLogger as TensorBoardLogger
+from ._loggers import WandbLogger as WandbLogger
+from ._loggers import make_logger as make_logger
 from ._numerics import NumericsRecorder as NumericsRecorder
 from ._placement import array_spec as array_spec
 from ._precisions import Amp as Amp
@@ -21,3 +36,6 @@ from ._protocol import Chain as Chain
 from ._protocol import Precision as Precision
 from ._state import TrainState as TrainState
 from ._trainer import Trainer as Trainer
+from ._weights import load_model as load_model
+from ._weights import load_safetensors as load_safetensors
+from ._weights import save_safetensors as save_safetensors

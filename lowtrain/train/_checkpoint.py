@@ -544,9 +544,14 @@ class Checkpoints:
             self.directory, options=options, item_names=("arrays", "meta")
         )
 
-    def save(self, step: int, state: PyTree, extra: dict | None = None) -> None:
+    def save(
+        self, step: int, state: PyTree, extra: dict | None = None
+    ) -> pathlib.Path | None:
+        """Save `state` as step `step`; return the checkpoint's path (None without a
+        directory). Asynchronously, it is complete and checked at the next `save`
+        or `close`."""
         if self._manager is None:
-            return
+            return None
         self._check_pending()
         arrays = _saved_arrays(state)
         meta = _meta(state, arrays, extra)
@@ -554,6 +559,7 @@ class Checkpoints:
         self._pending = (step, arrays, meta)
         if not self._asynchronous:
             self._check_pending()
+        return self.directory / f"{_PREFIX}_{step:08d}"
 
     def _check_pending(self) -> None:
         # Wait for the last save, read it back, and only then rotate.

@@ -32,6 +32,11 @@ class StepInfo(eqx.Module):
       previous `StepInfo` was made (the first window includes compilation).
     - `eval`: the results of `Trainer.run_evaluation` if `fit` evaluated at this step,
       else None.
+    - `record`: what `fit` logged at this step (the metrics file's line: the fields
+      above, the scalars of a dict `aux`, `eval_<name>`), or None if it did not log.
+
+    `info.stop(reason)` asks `fit` to end after this step (see
+    `lowtrain.train.Callback`); `info.stopping` says whether something did.
 
     ```python
     import equinox as eqx
@@ -64,6 +69,8 @@ class StepInfo(eqx.Module):
     steps_per_second: float
     examples_per_second: float
     eval: dict[str, float] | None = None
+    record: dict[str, Any] | None = None
+    _stop: list = eqx.field(repr=False, default_factory=list)
 
     # Written out: the `__init__` Equinox generates walks every leaf of its
     # arguments, here the whole `TrainState`, at each of `fit`'s logs.
@@ -80,6 +87,8 @@ class StepInfo(eqx.Module):
         steps_per_second: float,
         examples_per_second: float,
         eval: dict[str, float] | None = None,
+        record: dict[str, Any] | None = None,
+        _stop: list | None = None,
     ):
         self.step, self.state, self.loss, self.aux = step, state, loss, aux
         self.loss_scale, self.skipped, self.grad_norm = loss_scale, skipped, grad_norm
@@ -87,6 +96,18 @@ class StepInfo(eqx.Module):
         self.steps_per_second = steps_per_second
         self.examples_per_second = examples_per_second
         self.eval = eval
+        self.record = record
+        self._stop = [] if _stop is None else _stop
+
+    def stop(self, reason: str = "stopped by a callback") -> None:
+        """Ask `Trainer.fit` to end after this step: it saves this step's checkpoint
+        (with a `checkpoint_dir`), runs `on_fit_end` and returns the state. The
+        reason goes to the `lowtrain` logger."""
+        self._stop.append(str(reason))
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self._stop)
 
 
 class Hook(NamedTuple):

@@ -19,6 +19,10 @@ class TrainState(eqx.Module):
     - `opt_state`: the optimizer state: `optax.apply_if_finite`'s state around yours.
     - `loss_scale`: a `NoOpLossScale`, `StaticLossScale` or `DynamicLossScale`.
     - `key`: the run's base PRNG key; it never changes (see `step`).
+    - `model_state`: the model's state (`eqx.nn.State`: BatchNorm's running
+      statistics, spectral norm's vectors) when the `Trainer` has a `model_state`,
+      else None. It is not differentiated or optimised: the loss returns its new
+      value (see `Trainer.loss`).
 
     `skipped` is the number of steps whose gradients were non-finite and so left the
     model and the optimizer state unchanged.
@@ -44,6 +48,7 @@ class TrainState(eqx.Module):
     opt_state: PyTree
     loss_scale: _LossScale
     key: PRNGKeyArray
+    model_state: PyTree = None
 
     @property
     def skipped(self) -> Int[Array, ""]:

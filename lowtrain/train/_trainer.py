@@ -12,7 +12,7 @@ import math
 import pathlib
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
@@ -25,21 +25,26 @@ from tqdm import tqdm
 from .._amp import Policy
 from .._loss_scale import NoOpLossScale, _LossScale
 from ._accumulate import accumulated_value_and_grad, check_counts
+from ._callbacks import Callback, StopTraining, check_callbacks, overrides
 from ._checkpoint import (
     Checkpoints,
     latest_checkpoint,
     list_checkpoints,
     restore_latest,
 )
+from ._data import restore_data_position, with_data_position
 from ._finite import skip_nonfinite
 from ._hooks import Hook, StepInfo
 from ._jit import async_filter_jit
-from ._metrics import JsonlWriter, LearningRates, global_norm
+from ._metrics import LearningRates, global_norm
 from ._numerics import NumericsRecorder
 from ._placement import constrain_state, data_mesh, put_state, shard_batch, step_batch
 from ._precisions import resolve
 from ._protocol import Precision
 from ._state import TrainState
+
+if TYPE_CHECKING:
+    from ._loggers import Logger
 
 log = logging.getLogger("lowtrain")
 
@@ -83,10 +88,16 @@ class Trainer:
     - `grad_accum=K`: the gradients of K micro-batches of each batch averaged in
       one step (`lax.scan`; the "Scaling out" guide).
 
+    - `model_state`: the state of a stateful model (`eqx.nn.State`, from
+      `eqx.nn.make_with_state`: BatchNorm, spectral norm), carried in
+      `TrainState.model_state`, checkpointed and resumed with it; `loss` then takes
+      it and returns its new value (see `loss`).
+
     Override points: `loss(self, model, batch, *, key)` (required) returns a float
     scalar, or `(loss, aux)`; `evaluate(self, model, batch)` returns a dict of scalar
-    metrics (default: `{"loss": ...}` with `key=None`); `train_step(self, state,
-    batch)` returns `(new_state, metrics)` for full control. Hooks: `add_hook(fn,
+    metrics (default: the loss and the scalars of a dict `aux`, with `key=None`);
+    `train_step(self, state, batch)` returns `(new_state, metrics)` for full control.
+    Callbacks and loggers: `fit(callbacks=..., loggers=...)`; hooks: `add_hook(fn,
     every=N)`. See `fit` for the loop, and `lowtrain.StepInfo` for what "step" means.
     The step is traced once, reading the attributes set here: to change them, build a
     new Trainer.
@@ -130,6 +141,7 @@ class Trainer:
         grad_accum: int = 1,
         numerics_every: int | None = None,
         max_consecutive_skips: int | None = 20,
+        model_state: PyTree = None,
     ):
         check_trainer_args(type(self), type(self).loss is Trainer.loss, optimizer)
         self.precision = resolve(precision)
@@ -141,6 +153,7 @@ class Trainer:
                 f"{type(loss_scale).__name__} instead."
             )
         self.model = model
+        self.model_state = check_model_state(model_state)
         self.loss_scale = loss_scale
         self.redo_on_nan, self.grad_accum = check_counts(redo_on_nan, grad_accum)
         if stop_on_nonfinite is None:
@@ -154,6 +167,8 @@ class Trainer:
         self.optimizer = skip_nonfinite(optimizer, self.devices)
         self.hooks: list[Hook] = []
         self.numerics = NumericsRecorder(numerics_every)
+        self.history: list[dict] = []  # the records the last `fit` logged
+        self.fit_plan: FitPlan | None = None  # the `fit` in progress
 
     # -- override points ---------------------------------------------------------
 
@@ -164,17 +179,33 @@ class Trainer:
         docstring). `key` is this step's PRNG key (`jax.random.fold_in(state.key,
         state.step)`), or None from the default `evaluate`: use `key is None` to turn
         dropout off. A dict `aux` of scalars is logged next to the loss.
+
+        With a `model_state`, the signature is `loss(self, model, batch, *, key,
+        state)` and it returns `(loss, new_state)` or `(loss, aux, new_state)`: the
+        new state is kept where the step is applied (a skipped step keeps the old
+        one), in the old state's dtypes. With `grad_accum=K`, the float leaves of
+        the new state are averaged over the K micro-batches (BatchNorm's running
+        statistics: the mean of the K updates), the others taken from the last.
         """
         raise NotImplementedError
 
-    def evaluate(self, model: PyTree, batch: PyTree) -> dict[str, Array]:
+    def evaluate(self, model: PyTree, batch: PyTree, **state) -> dict[str, Array]:
         """Metrics of `model` on one eval batch: a dict of scalars (traced, jitted).
 
-        `run_evaluation` averages each over the eval batches. The default is
-        `{"loss": loss}` from `self.loss(model, batch, key=None)`.
+        `run_evaluation` averages each over the eval batches, weighted by each
+        batch's number of examples. `model` is in inference mode
+        (`eqx.nn.inference_mode`: BatchNorm uses its running statistics, Dropout is
+        off). The default is `{"loss": loss, **aux}` (the scalars of a dict `aux`)
+        from `self.loss(model, batch, key=None)`. With a `model_state` it is also
+        passed, as `state=` (a subclass's `evaluate(self, model, batch, *, state)`).
         """
-        out = self.loss(model, batch, key=None)
-        return {"loss": out[0] if isinstance(out, tuple) else out}
+        loss, aux, _ = split_loss(self.loss(model, batch, key=None, **state), state)
+        metrics = {"loss": loss}
+        if isinstance(aux, dict):
+            for name, value in aux.items():
+                if jnp.ndim(value) == 0 and str(name) not in metrics:
+                    metrics[str(name)] = value
+        return metrics
 
     def train_step(self, state: TrainState, batch: PyTree) -> tuple[TrainState, dict]:
         """One step: returns the new state and metrics (traced once, under `jit`).
@@ -186,6 +217,14 @@ class Trainer:
         ((loss, aux), grads, extra), loss_scale, finite = self.loss_and_grads(
             state, batch
         )
+        model_state = state.model_state
+        if self.model_state is not None:
+            aux, new = aux
+            model_state = jax.tree.map(
+                lambda n, o: jnp.where(finite, n.astype(o.dtype), o),
+                new,
+                model_state,
+            )
         params = eqx.filter(state.model, eqx.is_inexact_array)
         updates, opt_state = self.optimizer.update(
             p.to_optimizer(grads), state.opt_state, p.to_optimizer(params)
@@ -199,7 +238,9 @@ class Trainer:
             state.model,
         )
         model = p.merge(model, extra)
-        new_state = TrainState(state.step + 1, model, opt_state, loss_scale, state.key)
+        new_state = TrainState(
+            state.step + 1, model, opt_state, loss_scale, state.key, model_state
+        )
         metrics = {
             "loss": loss,
             "aux": aux,
@@ -267,7 +308,12 @@ class Trainer:
         opt_state = self.optimizer.init(p.to_optimizer(params))
         model, opt_state = p.store(model, opt_state)
         state = TrainState(
-            jnp.zeros((), jnp.int32), model, opt_state, self.loss_scale, key
+            jnp.zeros((), jnp.int32),
+            model,
+            opt_state,
+            self.loss_scale,
+            key,
+            self.model_state,
         )
         return put_state(self.mesh, self.sharding, state)
 
@@ -283,10 +329,12 @@ class Trainer:
         """`train_step` up to the gradients (traced, as `train_step` is): returns
         `((loss, aux), grads, extra), new_loss_scale, finite` of the step's loss on
         `batch`, with gradient accumulation, FSDP's gather, loss scaling and redo
-        as configured (`extra`: what the precision splits off the gradients). What
-        `numerics_every` reports on."""
+        as configured (`extra`: what the precision splits off the gradients; with a
+        `model_state`, `aux` is `(aux, new_model_state)`). What `numerics_every`
+        reports on."""
+        loss = functools.partial(self._loss_with_aux, model_state=state.model_state)
         value_and_grad = accumulated_value_and_grad(
-            self._loss_with_aux,
+            loss,
             self.precision,
             grad_accum=self.grad_accum,
             redo_on_nan=self.redo_on_nan,
@@ -297,9 +345,14 @@ class Trainer:
         batch = self.precision.inputs(batch)
         return value_and_grad(state.loss_scale, state.model, batch, key=key)
 
-    def _loss_with_aux(self, model, batch, *, key):
-        out = self.loss(self.precision.wrap_model(model), batch, key=key)
-        return out if isinstance(out, tuple) else (out, None)
+    def _loss_with_aux(self, model, batch, *, key, model_state=None):
+        if self.model_state is None:
+            out = self.loss(self.precision.wrap_model(model), batch, key=key)
+            return out if isinstance(out, tuple) else (out, None)
+        state = {"state": model_state}
+        out = self.loss(self.precision.wrap_model(model), batch, key=key, **state)
+        loss, aux, new = split_loss(out, state)
+        return loss, (aux, new)
 
     @functools.cached_property
     def _numerics_step(self) -> Callable:
@@ -321,21 +374,39 @@ class Trainer:
 
     @functools.cached_property
     def _compiled_eval(self) -> Callable:
-        def run(model, batch):
+        def run(model, batch, model_state):
             p = self.precision
-            return None, self.evaluate(p.wrap_model(model), p.inputs(batch))
+            model = p.wrap_model(eqx.nn.inference_mode(model))
+            state = {} if self.model_state is None else {"state": model_state}
+            return None, self.evaluate(model, p.inputs(batch), **state)
 
         return eqx.filter_jit(self.precision.wrap_step(run))
 
     def run_evaluation(self, state: TrainState, data: Iterable[PyTree]) -> dict:
-        """The mean of each `evaluate` metric over the batches of `data`, as floats.
+        """The mean of each `evaluate` metric over the batches of `data`, as floats,
+        weighted by each batch's number of examples (its leading axis), so a last
+        partial batch counts as much as its examples.
 
-        `data` is iterated once (an `ArrayBatches` gives one epoch in order).
+        `data` is iterated once (an `ArrayBatches` gives one epoch in order, its
+        last partial batch included). A batch that does not divide over the
+        devices (a last partial one) is evaluated whole on each of them.
         """
-        return mean_metrics(
-            lambda batch: self._compiled_eval(state.model, self.shard_batch(batch))[1],
-            data,
-        )
+
+        def evaluate(batch):
+            placed = self._eval_batch(batch)
+            return self._compiled_eval(state.model, placed, state.model_state)[1]
+
+        return mean_metrics(evaluate, data)
+
+    def _eval_batch(self, batch: PyTree) -> PyTree:
+        local = [d for d in self.devices if d.process_index == jax.process_index()]
+        sizes = {np.shape(x)[0] if np.ndim(x) else 0 for x in jax.tree.leaves(batch)}
+        if jax.process_count() == 1 and any(n % len(local) for n in sizes):
+            replicated = jax.sharding.NamedSharding(
+                self.mesh, jax.sharding.PartitionSpec()
+            )
+            return jax.device_put(batch, replicated)
+        return self.shard_batch(batch)
 
     # -- the loop ----------------------------------------------------------------
 
@@ -357,21 +428,27 @@ class Trainer:
         async_checkpoint: bool = False,
         progress: bool = True,
         checkpoint_extra: dict | None = None,
+        callbacks: Sequence[Callback] = (),
+        loggers: Sequence[Logger] = (),
     ) -> TrainState:
         """Train from `state` until `state.step == steps`, and return the new state.
 
         Nothing is done if `state.step >= steps` already (after `resume`, say).
 
         - `data(step) -> batch` gives the batch of each step (a function of the step,
-          so a resumed run sees the same batches; `lowtrain.ArrayBatches` is one).
-          With `epochs=E` instead of `steps`, `steps = E * data.steps_per_epoch`.
+          so a resumed run sees the same batches; `lowtrain.ArrayBatches` is one,
+          `lowtrain.train.from_iterable` and `from_grain` make one of an iterator
+          or a grain dataset). With `epochs=E` instead of `steps`,
+          `steps = E * data.steps_per_epoch`.
         - `state` is consumed: its buffers are donated to the compiled step.
-        - Every `log_every` steps and at the last step: the progress bar (tqdm, on
-          stderr; `progress=False` turns it off) shows the loss and loss scale, and
-          if `metrics_file` is given one JSON line is appended to it (by process 0):
-          the fields of `lowtrain.StepInfo` (`step`, `loss`, `loss_scale`,
-          `skipped`, ...), the scalars of a dict `aux`, and `eval_<name>` when it
-          evaluated.
+        - Every `log_every` steps, at steps that evaluate and at the last step: the
+          progress bar (tqdm, on stderr; `progress=False` turns it off) shows the
+          loss and loss scale, and a record goes to each of `loggers`
+          (`lowtrain.train.Logger`s, on process 0 only) and to `self.history`
+          (the records of this `fit`): the fields of `lowtrain.StepInfo` (`step`,
+          `loss`, `loss_scale`, `skipped`, ...), the scalars of a dict `aux`, and
+          `eval_<name>` when it evaluated. `metrics_file` adds a
+          `lowtrain.train.JsonlLogger` writing there.
         - Every `eval_every` steps and at the last step, if `eval_data` (an
           iterable of batches, iterated once each time) is given: `run_evaluation`.
         - Every `checkpoint_every` steps and at the last step, if `checkpoint_dir`
@@ -380,7 +457,9 @@ class Trainer:
           `lowtrain.checkpoint_extra`), read back and checked against its
           checksums, keeping the newest `keep_checkpoints` that passed;
           `async_checkpoint=True`: written in the background after the copy to host
-          (and checked at the next save or the end).
+          (and checked at the next save or the end). `data` with a
+          `get_state()` / `set_state(s)` pair (as `from_iterable` and `from_grain`
+          give) has its position saved with each checkpoint and restored on resume.
         - `resume=True` loads the newest checkpoint in `checkpoint_dir` that passes
           its checks into `state`'s structure and shardings (a damaged one is set
           aside with a warning and the one before tried; a mismatched one is
@@ -391,7 +470,10 @@ class Trainer:
           is an error. A resumed run's `metrics_file` is made one row per step: the
           rows after the checkpoint's step (written before a crash) move to
           `<metrics_file>.replaced`.
-        - Hooks run after the above, in the order added.
+        - `callbacks` (`lowtrain.train.Callback`s) and the hooks of `add_hook` run
+          after the step's log and save, in the order the `Callback` docstring
+          lists; one may stop the run (`info.stop()` or `StopTraining`): that
+          step is saved and `fit` returns.
         - A run that stops training raises `FloatingPointError` (see `Trainer`:
           `stop_on_nonfinite`, `max_consecutive_skips`). It is checked one step
           late, so the device never waits for it, except at steps that log,
@@ -410,11 +492,21 @@ class Trainer:
             keep_checkpoints=keep_checkpoints,
             resume=resume,
         )
-        state, saver = resume_or_check_empty(state, plan, resume, async_checkpoint)
+        callbacks = check_callbacks(callbacks)
+        loggers = check_loggers(loggers)
+        state, saver, resumed = resume_or_check_empty(
+            state, plan, resume, async_checkpoint
+        )
+        restore_data_position(data, resumed)
         start, is_main = int(state.step), jax.process_index() == 0
-        writer = None
         if metrics_file and is_main:
-            writer = JsonlWriter(metrics_file, after_step=start)
+            from ._loggers import JsonlLogger
+
+            loggers = [JsonlLogger(metrics_file, after_step=start), *loggers]
+        if not is_main:
+            loggers = []
+        self.history, self.fit_plan = [], plan
+        step_callbacks = [c for c in callbacks if overrides(c, "on_step_end")]
         bar = tqdm(
             total=plan.total,
             initial=min(start, plan.total),
@@ -423,7 +515,10 @@ class Trainer:
         )
         clock = (start, time.perf_counter())  # (step, time) the throughput window began
         pending = None  # (step, loss) not yet checked by stop_on_nonfinite
+        extra = lambda: with_data_position(checkpoint_extra, data)
         try:
+            for c in callbacks:
+                c.on_fit_start(self, state)
             for s in range(start, plan.total):
                 batch = step_batch(self.devices, self.mesh, data(s))
                 self.numerics.maybe_record(
@@ -433,9 +528,10 @@ class Trainer:
                 done = s + 1
                 bar.update(1)
                 hooks = [h for h in self.hooks if done % h.every == 0]
+                calls = [c for c in step_callbacks if done % c.every == 0]
                 log_now, eval_now = plan.log_at(done), plan.eval_at(done)
                 save_now = plan.save_at(done)
-                sync = bool(hooks) or log_now or eval_now or save_now
+                sync = bool(hooks or calls) or log_now or eval_now or save_now
                 if pending is not None:
                     self._check_health(*pending)
                 floor = getattr(state.loss_scale, "min_scale", None)
@@ -445,31 +541,57 @@ class Trainer:
                     pending = None
                 if not sync:
                     continue
-                if hooks or log_now or eval_now:
-                    info = step_info(self, state, metrics, batch, clock, done)
+                info = step_info(self, state, metrics, batch, clock, done)
+                if eval_now:
+                    results = self.run_evaluation(state, plan.eval_data)
+                    info = dataclasses.replace(info, eval=results)
+                if log_now or eval_now:
+                    info = dataclasses.replace(info, record=record(info))
+                    bar.set_postfix(
+                        loss=f"{info.loss:.4g}", scale=f"{info.loss_scale:g}"
+                    )
+                    self.history.append(info.record)
+                    for logger in loggers:
+                        logger.log_metrics(info.record, done)
+                if save_now:  # every process: each writes its shards
+                    self._save(saver, info, extra(), callbacks)
+                try:
                     if eval_now:
-                        info = dataclasses.replace(
-                            info, eval=self.run_evaluation(state, plan.eval_data)
-                        )
-                    if log_now or eval_now:
-                        bar.set_postfix(
-                            loss=f"{info.loss:.4g}", scale=f"{info.loss_scale:g}"
-                        )
-                        if writer is not None:
-                            writer.write(record(info))
+                        for c in callbacks:
+                            c.on_eval_end(self, info)
+                    for c in calls:
+                        c.on_step_end(self, info)
                     for hook in hooks:
                         hook.fn(info)
-                if save_now:  # every process: each writes its shards
-                    saver.save(done, state, checkpoint_extra)
+                except StopTraining as e:
+                    info.stop(str(e) or "StopTraining raised")
+                if info.stopping:
+                    log.info("stopping at step %d: %s", done, "; ".join(info._stop))
+                    if plan.checkpoint_dir is not None and not save_now:
+                        self._save(saver, info, extra(), callbacks)
+                    break
                 clock = (done, time.perf_counter())  # not counting logs, evals, saves
             if pending is not None:
                 self._check_health(*pending)
+            saver.close()  # waits for an asynchronous save and checks it
+            for c in callbacks:
+                c.on_fit_end(self, state)
         finally:
             bar.close()
-            saver.close()  # waits for an asynchronous save
-            if writer is not None:
-                writer.close()
+            saver.close()
+            for logger in loggers:
+                flush = getattr(logger, "flush", None)
+                if flush is not None:
+                    flush()
+            if metrics_file and is_main:
+                loggers[0].close()  # the JsonlLogger made here
+            self.fit_plan = None
         return state
+
+    def _save(self, saver, info: StepInfo, extra, callbacks) -> None:
+        path = saver.save(info.step, info.state, extra)
+        for c in callbacks:
+            c.on_checkpoint(self, info, path)
 
 
 def _positive_int(value, what: str, *, optional: bool = True) -> int | None:
@@ -634,29 +756,29 @@ def plan_fit(
 
 def resume_or_check_empty(
     state, plan: FitPlan, resume: bool | str, asynchronous: bool = False
-) -> tuple[Any, Checkpoints]:
+) -> tuple[Any, Checkpoints, pathlib.Path | None]:
     """The state to start from: with `resume`, the newest checkpoint in
     `plan.checkpoint_dir` that passes its checks (none: an error, or `state` for
     `resume="auto"`), else `state`; a directory that holds checkpoints without
     `resume` is an error. And the `Checkpoints` that `fit` saves with (`close`
-    it)."""
+    it), and the path resumed from (or None)."""
     ckpt_dir = plan.checkpoint_dir
     saver = lambda: Checkpoints(ckpt_dir, plan.keep_checkpoints, asynchronous)
     if ckpt_dir is None:
-        return state, saver()
+        return state, saver(), None
     if resume:
         found = restore_latest(ckpt_dir, state)
         if found is not None:
             resumed, path = found
             log.info("resumed from step %d (%s)", int(resumed.step), path)
-            return resumed, saver()
+            return resumed, saver(), path
         if resume != "auto":
             raise ValueError(
                 f"Expected a checkpoint to resume from in {ckpt_dir}, got none there. "
                 "Check the run directory (a typo starts a new run), pass "
                 '`resume="auto"` to start anew when there is none, or drop `resume`.'
             )
-        return state, saver()
+        return state, saver(), None
     if latest_checkpoint(ckpt_dir) is not None:
         raise ValueError(
             f"Expected an empty `checkpoint_dir` for a new run, got "
@@ -664,7 +786,7 @@ def resume_or_check_empty(
             "instead. Pass `resume=True` to continue that run, or use another "
             "directory."
         )
-    return state, saver()
+    return state, saver(), None
 
 
 def step_info(trainer, state, metrics, batch, clock, done) -> StepInfo:
@@ -718,7 +840,9 @@ def record(info: StepInfo) -> dict:
 
 
 def mean_metrics(evaluate: Callable[[PyTree], dict], data: Iterable[PyTree]) -> dict:
-    """The mean of each metric `evaluate(batch)` returns over the batches of `data`."""
+    """The mean of each metric `evaluate(batch)` returns over the batches of `data`,
+    each batch weighted by its number of examples (the leading axis of its first
+    leaf; 1 for a batch without one)."""
     totals: dict[str, float] = {}
     count = 0
     for batch in data:
@@ -728,9 +852,68 @@ def mean_metrics(evaluate: Callable[[PyTree], dict], data: Iterable[PyTree]) -> 
                 "Expected `evaluate` to return a dict of scalars such as "
                 f"{{'loss': loss}}, got {type(metrics).__name__} instead."
             )
+        weight = max(_batch_size(batch), 1)
         for name, value in metrics.items():
-            totals[name] = totals.get(name, 0.0) + float(value)
-        count += 1
+            totals[name] = totals.get(name, 0.0) + weight * float(value)
+        count += weight
     if not count:
         raise ValueError("Expected at least one batch in the eval data, got none.")
     return {name: total / count for name, total in totals.items()}
+
+
+def split_loss(out, state: dict) -> tuple[Any, Any, Any]:
+    """`(loss, aux, new_model_state)` of what `Trainer.loss` returned: `loss`,
+    `(loss, aux)`, or with a model state (`state` not empty) `(loss, new_state)` or
+    `(loss, aux, new_state)` (`new_state` None without one)."""
+    if not state:
+        if isinstance(out, tuple):
+            if len(out) != 2:
+                raise TypeError(
+                    "Expected `loss` to return a scalar or `(loss, aux)`, got a "
+                    f"tuple of {len(out)} instead. A stateful model passes "
+                    "`model_state=` to the Trainer."
+                )
+            return out[0], out[1], None
+        return out, None, None
+    if not isinstance(out, tuple) or len(out) not in (2, 3):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise TypeError(
+            "Expected `loss(model, batch, *, key, state)` of a Trainer with a "
+            "`model_state` to return `(loss, new_state)` or `(loss, aux, "
+            f"new_state)`, got {got} instead. Return the state the model gave back."
+        )
+    loss, *aux, new = out
+    old = state["state"]
+    if jax.tree.structure(new) != jax.tree.structure(old):
+        raise TypeError(
+            "Expected the state `loss` returns last to have the structure of the "
+            f"model state passed in, got {jax.tree.structure(new)} instead of "
+            f"{jax.tree.structure(old)}. Return the state the model gave back."
+        )
+    return loss, (aux[0] if aux else None), new
+
+
+def check_model_state(model_state: PyTree) -> PyTree:
+    if model_state is None:
+        return None
+    leaves = jax.tree.leaves(model_state)
+    if not leaves or not all(eqx.is_array(x) for x in leaves):
+        raise TypeError(
+            "Expected `model_state` to be the state of a stateful model, a pytree of "
+            "arrays such as `eqx.nn.State` (from `eqx.nn.make_with_state`), got "
+            f"{type(model_state).__name__} with "
+            f"{'no arrays' if not leaves else 'leaves that are not arrays'} instead."
+        )
+    return model_state
+
+
+def check_loggers(loggers) -> list:
+    loggers = list(loggers or ())
+    for logger in loggers:
+        if not callable(getattr(logger, "log_metrics", None)):
+            raise TypeError(
+                "Expected each logger to have `log_metrics(metrics, step)` (a "
+                "`lowtrain.train.Logger` such as `CSVLogger(path)`), got "
+                f"{type(logger).__name__} instead."
+            )
+    return loggers

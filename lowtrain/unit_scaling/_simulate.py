@@ -10,20 +10,26 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._rewrite import rewrite
-from ..fp8 import E4M3, E5M2, dequantize, fp8_dot_general, gemm_dims, quantize
-from ..fp8._quantize import from_bits, to_bits
+from ..fp8 import E4M3, E5M2, dequantize, fp8_dot_general, gemm_dims
+from ..fp8._dot import keep_op
+from ..fp8._quantize import ROUNDINGS, from_bits, quantize_at, to_bits
+from ..fp8._sites import matmul_sites
 
 MATMULS = ("dot_general", "conv_general_dilated")
 
 
-def _fp8_round(x: Array, dtype) -> Array:
-    # Scale 1: `x` itself is cast, saturating at the format's max (448 for E4M3,
-    # 57344 for E5M2); magnitudes below half the smallest subnormal (2**-10 for E4M3,
-    # 2**-17 for E5M2) become 0. The result is in `x.dtype` again.
-    return dequantize(quantize(x, dtype, 1.0), 1.0, x.dtype)
+def _check_rounding(rounding: str) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(
+            f"Expected `rounding` among {', '.join(ROUNDINGS)}, got {rounding!r} "
+            "instead."
+        )
+    return rounding
 
 
-def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
+def fp8_cast_op(
+    op: Callable, lhs: Array, rhs: Array, *, rounding: str = "nearest"
+) -> Array:
     """`op(lhs, rhs)` with both operands cast to E4M3 and the cotangent to E5M2,
     all with scale 1: FP8 without per-tensor scales (a `lowtrain.rewrite` rule).
 
@@ -44,6 +50,10 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     near unit scale (unit scaling) loses little; one whose are not (a standard GPT's
     small activations and gradients) underflows: the recipes' `fp8_naive` baseline.
 
+    `rounding="stochastic"` rounds each of the three casts stochastically
+    (`lowtrain.fp8.quantize`, its draws a hash of each value and its index, so the
+    step is deterministic), as unit-scaling's FP8 simulation does by default.
+
     ```python
     import jax.numpy as jnp
     from lowtrain.unit_scaling import fp8_cast_op
@@ -52,21 +62,33 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     assert float(y[0, 0]) == 448.0 + 0.3125  # saturated, rounded, flushed to zero
     ```
     """
+    rounding = _check_rounding(rounding)
     params = getattr(op, "params", None)
-    if getattr(getattr(op, "primitive", None), "name", "") == "dot_general" and params:
+    is_dot = getattr(getattr(op, "primitive", None), "name", "") == "dot_general"
+    if is_dot and params:
         # A `dot_general` of a program (a `lowtrain.rewrite` rule's `op`): the same
         # casts written as an FP8 matmul with static scale 1, on a GPU an FP8 GEMM
         # of the cast operands; the product, accumulated in float32, is the same.
         out = params.get("preferred_element_type") or lhs.dtype
         dn = params["dimension_numbers"]
-        return fp8_dot_general(lhs, rhs, dn, scale=1.0, out_dtype=out)
+        return fp8_dot_general(
+            lhs, rhs, dn, scale=1.0, out_dtype=out, rounding=rounding
+        )
+    sites = matmul_sites(jnp.shape(lhs), jnp.shape(rhs))
+
+    def cast(x, role):
+        dtype = E5M2 if role == "grad" else E4M3
+        return quantize_at(x, dtype, 1.0, site=sites[role], rounding=rounding)
 
     @jax.custom_vjp
     def run(lhs, rhs):
-        return op(_fp8_round(lhs, E4M3), _fp8_round(rhs, E4M3))
+        return op(
+            dequantize(cast(lhs, "lhs"), 1.0, lhs.dtype),
+            dequantize(cast(rhs, "rhs"), 1.0, rhs.dtype),
+        )
 
     def fwd(a, b):
-        ql, qr = quantize(a, E4M3, 1.0), quantize(b, E4M3, 1.0)
+        ql, qr = cast(a, "lhs"), cast(b, "rhs")
         out = op(dequantize(ql, 1.0, a.dtype), dequantize(qr, 1.0, b.dtype))
         # The rounded operands are saved as their FP8 bits: one byte a value, not a
         # copy in the operands' dtype (float32 in a program `amp` runs in bf16).
@@ -78,20 +100,23 @@ def fp8_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
             for b, x in zip(res, (lhs, rhs))
         )
         _, vjp = jax.vjp(op, ql, qr)
-        return vjp(_fp8_round(g, E5M2))
+        return vjp(dequantize(cast(g, "grad"), 1.0, g.dtype))
 
     run.defvjp(fwd, bwd)
     return run(lhs, rhs)
 
 
-def fp8_weight_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
+def fp8_weight_cast_op(
+    op: Callable, lhs: Array, rhs: Array, *, rounding: str = "nearest"
+) -> Array:
     """For a `dot_general`: `fp8_cast_op(op, lhs, rhs)` where an operand is a weight
     (rank 2 or less: a layer's matrix), else `op(lhs, rhs)` as it is: the products of
     two activations, attention's `q @ k.T` and `p @ v` (both of rank 3 or more), stay
     in the caller's precision, as FP8 training practice keeps them (their
     probabilities and scores are not unit-scaled: most of a softmax's outputs are far
     below 1). Not for convolutions, whose kernels have rank 3 or more: see
-    `fp8_cast_rules`.
+    `fp8_cast_rules`. (A product kept runs as `lowtrain.fp8`'s `keep_op`: as
+    written, with the casts it would get named for a numerics report.)
 
     ```python
     import jax.numpy as jnp
@@ -104,32 +129,46 @@ def fp8_weight_cast_op(op: Callable, lhs: Array, rhs: Array) -> Array:
     ```
     """
     if min(jnp.ndim(lhs), jnp.ndim(rhs)) <= 2:
-        return fp8_cast_op(op, lhs, rhs)
-    return op(lhs, rhs)
+        return fp8_cast_op(op, lhs, rhs, rounding=rounding)
+    return keep_op(op, lhs, rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rounded:
+    # `rule(op, lhs, rhs, rounding=rounding)`: a rule of `fp8_cast_rules` with a
+    # rounding other than the default, hashable by value (`lowtrain.rewrite` keys its
+    # compiled programs on the rules).
+    rule: Callable
+    rounding: str
+
+    def __call__(self, op, lhs: Array, rhs: Array) -> Array:
+        return self.rule(op, lhs, rhs, rounding=self.rounding)
 
 
 @dataclasses.dataclass(frozen=True)
 class _AtLeast:
     # A `dot_general` rule applied only where the GEMM's M, N and K are all at least
-    # `min_dim` (`lowtrain.fp8.gemm_dims`); a smaller one runs as written. Hashable by
-    # value: `lowtrain.rewrite` keys its compiled programs on the rules.
+    # `min_dim` (`lowtrain.fp8.gemm_dims`); a smaller one runs as written (`keep_op`).
+    # Hashable by value.
     rule: Callable
     min_dim: int
 
     def __call__(self, op, lhs: Array, rhs: Array) -> Array:
         dn = op.params["dimension_numbers"]
         if min(gemm_dims(jnp.shape(lhs), jnp.shape(rhs), dn)) < self.min_dim:
-            return op(lhs, rhs)
+            return keep_op(op, lhs, rhs)
         return self.rule(op, lhs, rhs)
 
 
-def fp8_cast_rules(weights_only: bool = False, min_dim: int = 0) -> dict[str, Callable]:
+def fp8_cast_rules(
+    weights_only: bool = False, min_dim: int = 0, rounding: str = "nearest"
+) -> dict[str, Callable]:
     """The `lowtrain.rewrite` rules of `simulate_fp8`: `fp8_cast_op` for every
     `dot_general` and `conv_general_dilated`; with `weights_only`, the
     `dot_general`s through `fp8_weight_cast_op` (convolutions are always cast: their
     kernel is a weight). With `min_dim`, a `dot_general` whose GEMM has an M, N or K
     below it (`lowtrain.fp8.gemm_dims`: too small for an FP8 GEMM to pay) is left as
-    written.
+    written. `rounding` ("nearest" or "stochastic") is each cast's (`fp8_cast_op`).
 
     ```python
     import lowtrain.unit_scaling as uu
@@ -138,6 +177,8 @@ def fp8_cast_rules(weights_only: bool = False, min_dim: int = 0) -> dict[str, Ca
     assert rules["dot_general"] is uu.fp8_weight_cast_op
     assert rules["conv_general_dilated"] is uu.fp8_cast_op
     assert uu.fp8_cast_rules(min_dim=256) == uu.fp8_cast_rules(min_dim=256)
+    sr = uu.fp8_cast_rules(rounding="stochastic")
+    assert sr == uu.fp8_cast_rules(rounding="stochastic") != rules
     ```
     """
     if isinstance(min_dim, bool) or not isinstance(min_dim, int) or min_dim < 0:
@@ -145,9 +186,12 @@ def fp8_cast_rules(weights_only: bool = False, min_dim: int = 0) -> dict[str, Ca
             f"Expected `min_dim` as an int >= 0 (0: every matmul in FP8), got "
             f"{min_dim!r} instead."
         )
+    _check_rounding(rounding)
     rules = dict.fromkeys(MATMULS, fp8_cast_op)
     if weights_only:
         rules["dot_general"] = fp8_weight_cast_op
+    if rounding != "nearest":
+        rules = {k: _Rounded(rule, rounding) for k, rule in rules.items()}
     if min_dim:
         rules["dot_general"] = _AtLeast(rules["dot_general"], min_dim)
     return rules
@@ -159,6 +203,7 @@ def simulate_fp8(
     weights_only: bool = False,
     keep: Sequence[str] = (),
     min_dim: int = 0,
+    rounding: str = "nearest",
 ) -> Callable:
     """`fn` with every matmul and convolution through FP8 by a plain cast: operands
     to E4M3 forward, the cotangent to E5M2 backward, scale 1, saturating
@@ -167,11 +212,14 @@ def simulate_fp8(
     `simulate_fp8(unit_scale(model))`, then `lowtrain.amp` around it for the rest.
     With `weights_only`, only the matmuls with a weight operand (`fp8_weight_cast_op`:
     attention's two products of activations stay as they are; `fp8_cast_rules`).
-    Matmuls inside a `jax.named_scope` named in `keep` (names or globs) stay as they
-    are: the "critical" matmuls whose inputs u-μP finds growing during training, such
+    Matmuls selected by `keep` (see `keep_scopes`: `jax.named_scope` names or globs,
+    each optionally with `@` and the right operand's shape) stay as they are: the
+    "critical" matmuls whose inputs u-μP finds growing during training, such
     as `uu.TransformerDecoder`'s readout (`"projection"`) and the MLPs'
-    down-projections (`"linear_2"`). With `min_dim`, the matmuls whose GEMM has an M,
-    N or K below it stay as they are too (see `fp8_cast_rules`).
+    down-projections (`"linear_2"`), or what a `lowtrain.numerics.Plan` keeps
+    (`plan.keep`). With `min_dim`, the matmuls whose GEMM has an M,
+    N or K below it stay as they are too (see `fp8_cast_rules`). `rounding`:
+    "nearest" (the default) or "stochastic" (see `fp8_cast_op`).
 
     ```python
     import jax
@@ -193,19 +241,86 @@ def simulate_fp8(
     assert abs(float(y[0, 0]) - (1.0 + 2**-5 + 1e-4)) < 1e-6
     ```
     """
-    rules = fp8_cast_rules(weights_only, min_dim)
-    return rewrite(fn, rules, scopes=keep_scopes(keep))
+    rules = fp8_cast_rules(weights_only, min_dim, rounding)
+    return rewrite(fn, rules, scopes=keep_scopes(keep, rules))
 
 
-def keep_scopes(keep: Sequence[str]) -> dict[str, dict]:
-    """`lowtrain.rewrite`'s `scopes=` that leaves each `jax.named_scope` in `keep`
-    (names or globs) as written: `simulate_fp8`'s `keep`. Checked: a list of names,
-    not one string (whose letters would each become a scope).
+@dataclasses.dataclass(frozen=True)
+class _KeepShapes:
+    # Inside a kept scope, the matmuls whose right operand has one of `shapes` are
+    # kept (`keep_op`); the others run `rule` (None: as written). Hashable by value.
+    shapes: frozenset
+    rule: Callable | None
+    amax: bool
+
+    def __call__(self, op, lhs: Array, rhs: Array) -> Array:
+        if tuple(jnp.shape(rhs)) in self.shapes:
+            return keep_op(op, lhs, rhs, amax=self.amax)
+        return op(lhs, rhs) if self.rule is None else self.rule(op, lhs, rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    # `keep_op` with the shadows' scaling (`amax`: current scaling's), hashable.
+    amax: bool
+
+    def __call__(self, op, lhs: Array, rhs: Array) -> Array:
+        return keep_op(op, lhs, rhs, amax=self.amax)
+
+
+def parse_keep(entry: str) -> tuple[str, tuple[int, ...] | None]:
+    """A `keep` entry as `(scope, rhs shape or None)`: `"projection"` ->
+    `("projection", None)`, `"...i,io->...o@128x384"` -> `("...i,io->...o", (128,
+    384))`.
 
     ```python
     import lowtrain.unit_scaling as uu
 
-    assert uu.keep_scopes(["projection"]) == {"projection": {}}
+    assert uu.parse_keep("linear_2") == ("linear_2", None)
+    assert uu.parse_keep("...i,io->...o@128x384") == ("...i,io->...o", (128, 384))
+    ```
+    """
+    if not isinstance(entry, str):
+        raise TypeError(
+            f"Expected a `keep` entry as a string such as 'projection' or "
+            f"'...i,io->...o@128x384', got {entry!r} instead."
+        )
+    scope, at, shape = entry.rpartition("@")
+    if not at:
+        return entry, None
+    try:
+        dims = tuple(int(d) for d in shape.split("x"))
+    except ValueError:
+        dims = ()
+    if not scope or not dims or min(dims) < 0:
+        raise ValueError(
+            f"Expected a `keep` entry as a scope name, or a scope name, '@' and the "
+            f"right operand's shape such as '...i,io->...o@128x384', got {entry!r} "
+            "instead."
+        )
+    return scope, dims
+
+
+def keep_scopes(
+    keep: Sequence[str], rules: dict | None = None, *, amax: bool = False
+) -> dict[str, dict]:
+    """`lowtrain.rewrite`'s `scopes=` that keeps the matmuls `keep` selects out of
+    FP8: `simulate_fp8`'s `keep`. An entry is a `jax.named_scope` name or glob (every
+    matmul and convolution inside it), or such a name, `@` and a shape (only the
+    `dot_general`s inside it whose right operand, a layer's weight, has that shape:
+    `"...i,io->...o@128x384"`, how a `lowtrain.numerics.Plan` names one of several
+    layers sharing a scope; the other matmuls there run `rules`, or as written
+    without `rules`). Kept matmuls run as written through `lowtrain.fp8`'s
+    `keep_op`, which names the casts FP8 would perform (scale 1, or with `amax` the
+    tensors' own amax) so a numerics report still judges them. Checked: a list of
+    entries, not one string (whose letters would each become a scope).
+
+    ```python
+    import lowtrain.unit_scaling as uu
+
+    assert set(uu.keep_scopes(["projection"])) == {"projection"}
+    table = uu.keep_scopes(["mlp@128x512", "mlp@512x128"])
+    assert table["mlp"]["dot_general"].shapes == {(128, 512), (512, 128)}
     ```
     """
     if isinstance(keep, str) or not all(isinstance(k, str) for k in keep):
@@ -213,4 +328,24 @@ def keep_scopes(keep: Sequence[str]) -> dict[str, dict]:
             "Expected `keep` as a list of `jax.named_scope` names, e.g. "
             f"['linear_2', 'projection'], got {keep!r} instead."
         )
-    return {name: {} for name in keep}
+    whole: set[str] = set()
+    shapes: dict[str, set] = {}
+    for entry in keep:
+        scope, shape = parse_keep(entry)
+        if shape is None:
+            whole.add(scope)
+        else:
+            shapes.setdefault(scope, set()).add(shape)
+    kept = _Kept(amax)
+    table = {name: dict.fromkeys(MATMULS, kept) for name in sorted(whole)}
+    for name, found in sorted(shapes.items()):
+        if name in whole:
+            continue
+        other = dict(rules or {})
+        table[name] = {
+            **other,
+            "dot_general": _KeepShapes(
+                frozenset(found), other.get("dot_general"), amax
+            ),
+        }
+    return table

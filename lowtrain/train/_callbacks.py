@@ -1,0 +1,376 @@
+"""Callbacks: what `Trainer.fit` calls around its steps, how one stops a run, and two
+built-ins, `EarlyStopping` and `BestCheckpoint`.
+
+The order of one step of `fit`, written down once (`Trainer.fit` refers here):
+
+1. the train step; the previous step's health check (see `Trainer`);
+2. if an eval is due: `Trainer.run_evaluation`;
+3. if a log is due or it evaluated: the record goes to the loggers (the metrics
+   file is one) and to `trainer.history`;
+4. if a checkpoint is due: it is saved and checked, then `on_checkpoint`;
+5. if it evaluated: `on_eval_end` of every callback, in the order given;
+6. `on_step_end` of every callback, then the hooks of `Trainer.add_hook` (in the
+   order added), each where its `every` divides the step;
+7. if anything in 5-6 asked to stop (`info.stop()`, or raised `StopTraining`,
+   which skips the callbacks and hooks after it at this step): a checkpoint of this
+   step is saved unless 4 saved one, then `on_checkpoint`, and `fit` ends here;
+8. after the last step (or a stop): `on_fit_end`.
+
+`on_fit_start` runs once before the first step, after a resume. A callback's
+`every` (default 1) thins its `on_step_end`; a callback that does not override
+`on_step_end` costs no device wait at steps that do nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pathlib
+import shutil
+from typing import TYPE_CHECKING
+
+import jax
+
+from ._checkpoint import checkpoint_extra, list_checkpoints, save_checkpoint
+
+if TYPE_CHECKING:
+    from ._hooks import StepInfo
+    from ._state import TrainState
+
+log = logging.getLogger("lowtrain")
+
+
+class StopTraining(Exception):
+    """Raise it from a callback or hook to end `Trainer.fit` after this step: the
+    step's checkpoint is saved (with a `checkpoint_dir`) and `fit` returns the state,
+    as `info.stop()` does. Its message goes to the `lowtrain` logger.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import optax
+    import lowtrain
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean()
+
+    def stop_at_3(info):
+        if info.step == 3:
+            raise lowtrain.train.StopTraining("enough")
+
+    trainer = Fit(eqx.nn.Linear(2, 1, key=jax.random.key(0)), optax.sgd(0.1))
+    trainer.add_hook(stop_at_3)
+    data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
+    state = trainer.fit(trainer.init(key=jax.random.key(1)), lambda s: data,
+                        steps=10, progress=False)
+    assert int(state.step) == 3
+    ```
+    """
+
+
+class Callback:
+    """The base of `Trainer.fit(callbacks=[...])`: override what you need.
+
+    Each method gets the `Trainer` and a `lowtrain.StepInfo` (the state after the
+    step, its loss, `eval` results, `record`: the logged metrics) or, at the start
+    and end, the `TrainState`. The module docstring of `lowtrain/train/_callbacks.py`
+    (and the Trainer guide) gives the order of callbacks, logs and saves in a step.
+    To end the run, call `info.stop(reason)` or raise `StopTraining`.
+
+    - `on_fit_start(trainer, state)`: once, before the first step (after a resume).
+    - `on_step_end(trainer, info)`: after steps where `info.step % self.every == 0`.
+    - `on_eval_end(trainer, info)`: after each evaluation; `info.eval` holds it.
+    - `on_checkpoint(trainer, info, path)`: after a checkpoint of `fit` is saved.
+    - `on_fit_end(trainer, state)`: once, when `fit` returns (also after a stop).
+
+    `trainer.fit_plan` (a `FitPlan`: the last step, the checkpoint directory, ...)
+    describes the run in progress.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import optax
+    import lowtrain
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean()
+
+    class StopBelow(lowtrain.train.Callback):
+        every = 2
+
+        def on_step_end(self, trainer, info):
+            if info.loss < 0.05:
+                info.stop(f"loss {info.loss:.3f} < 0.05")
+
+    trainer = Fit(eqx.nn.Linear(2, 1, key=jax.random.key(0)), optax.sgd(0.1))
+    data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
+    state = trainer.fit(trainer.init(key=jax.random.key(1)), lambda s: data,
+                        steps=100, callbacks=[StopBelow()], progress=False)
+    assert int(state.step) < 100 and int(state.step) % 2 == 0
+    ```
+    """
+
+    every: int = 1
+
+    def on_fit_start(self, trainer, state: TrainState) -> None:
+        pass
+
+    def on_step_end(self, trainer, info: StepInfo) -> None:
+        pass
+
+    def on_eval_end(self, trainer, info: StepInfo) -> None:
+        pass
+
+    def on_checkpoint(self, trainer, info: StepInfo, path: pathlib.Path) -> None:
+        pass
+
+    def on_fit_end(self, trainer, state: TrainState) -> None:
+        pass
+
+
+def overrides(callback: Callback, name: str) -> bool:
+    """Whether `callback`'s class defines its own `name` method."""
+    return getattr(type(callback), name) is not getattr(Callback, name)
+
+
+def check_callbacks(callbacks) -> list[Callback]:
+    callbacks = list(callbacks or ())
+    for c in callbacks:
+        if not isinstance(c, Callback):
+            raise TypeError(
+                "Expected each callback to be a `lowtrain.train.Callback` (subclass "
+                f"it and override `on_step_end`, ...), got {type(c).__name__} "
+                "instead. For a plain function use `trainer.add_hook(fn, every=N)`."
+            )
+        every = getattr(c, "every", 1)
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"Expected `every` >= 1 on callback {type(c).__name__}, got "
+                f"{every!r} instead."
+            )
+    return callbacks
+
+
+def _monitored(info: StepInfo, monitor: str, who: str) -> float:
+    record = info.record or {}
+    if monitor not in record:
+        raise KeyError(
+            f"{who}: expected the metric {monitor!r} in the evaluation's record, got "
+            f"{', '.join(sorted(record)) or 'none'} instead. Monitor one of those "
+            "(eval metrics are named `eval_<name>`)."
+        )
+    return float(record[monitor])
+
+
+def _check_mode(mode: str, who: str) -> None:
+    if mode not in ("min", "max"):
+        raise ValueError(f'{who}: expected mode "min" or "max", got {mode!r} instead.')
+
+
+class EarlyStopping(Callback):
+    """Stop `fit` when `monitor` (a key of the logged record: `eval_loss`,
+    `eval_accuracy`, ...) has not improved by more than `min_delta` for `patience`
+    evaluations in a row; `mode="max"` for metrics that grow. As Lightning's and
+    Keras' `EarlyStopping`, checked at each evaluation (`on_eval_end`). The stopped
+    step is saved as a checkpoint when `fit` has a `checkpoint_dir`.
+    `stopped_step` is the step it stopped at (None if it did not), `best` the best
+    value seen. A non-finite value counts as no improvement.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import optax
+    import lowtrain
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean()
+
+    data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
+    trainer = Fit(eqx.nn.Linear(2, 1, key=jax.random.key(0)), optax.sgd(0.0))
+    stop = lowtrain.train.EarlyStopping(patience=2)  # lr 0: the loss never improves
+    trainer.fit(trainer.init(key=jax.random.key(1)), lambda s: data, steps=50,
+                eval_data=[data], eval_every=5, callbacks=[stop], progress=False)
+    assert stop.stopped_step == 15  # best at 5; no better at 10, 15
+    ```
+    """
+
+    def __init__(
+        self,
+        monitor: str = "eval_loss",
+        mode: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+    ):
+        _check_mode(mode, "EarlyStopping")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(
+                f"EarlyStopping: expected an int `patience` >= 1, got {patience!r} "
+                "instead."
+            )
+        if not (isinstance(min_delta, int | float) and min_delta >= 0):
+            raise ValueError(
+                f"EarlyStopping: expected `min_delta` >= 0, got {min_delta!r} instead."
+            )
+        self.monitor, self.mode = monitor, mode
+        self.patience, self.min_delta = patience, float(min_delta)
+        self.best: float | None = None
+        self.wait = 0
+        self.stopped_step: int | None = None
+
+    def _improved(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def on_fit_start(self, trainer, state) -> None:
+        self.wait, self.stopped_step = 0, None
+
+    def on_eval_end(self, trainer, info) -> None:
+        value = _monitored(info, self.monitor, "EarlyStopping")
+        if self._improved(value):
+            self.best, self.wait = value, 0
+            return
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.stopped_step = info.step
+            info.stop(
+                f"early stopping: {self.monitor} has not improved on {self.best:.6g} "
+                f"for {self.wait} evaluations"
+            )
+
+
+_BEST = "best"  # BestCheckpoint's folder inside the checkpoint directory
+
+
+class BestCheckpoint(Callback):
+    """Keep the `keep` best checkpoints by `monitor` (a key of the logged record,
+    `eval_loss` by default; `mode="max"` for accuracy), as Lightning's
+    `ModelCheckpoint(monitor=...)`: at each evaluation that is among the best so
+    far, the state is saved (and checked) to `<directory>/ckpt_<step>`, and a
+    worse one beyond `keep` is deleted. `directory` defaults to `best/` inside
+    `fit`'s `checkpoint_dir`, apart from the newest-N checkpoints `fit` rotates.
+    Each carries its value in its `extra` (`{"monitor", "mode", "value"}`, see
+    `lowtrain.checkpoint_extra`); `lowtrain.train.best_checkpoint(directory)` finds
+    the best again, also after a restart (the values kept are read back then).
+
+    ```python
+    import pathlib, tempfile
+    import equinox as eqx
+    import jax
+    import optax
+    import lowtrain
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean()
+
+    data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
+    trainer = Fit(eqx.nn.Linear(2, 1, key=jax.random.key(0)), optax.sgd(0.1))
+    run = pathlib.Path(tempfile.mkdtemp())
+    trainer.fit(trainer.init(key=jax.random.key(1)), lambda s: data, steps=6,
+                eval_data=[data], eval_every=2, checkpoint_dir=run / "ckpt",
+                callbacks=[lowtrain.train.BestCheckpoint()], progress=False)
+    best = lowtrain.train.best_checkpoint(run / "ckpt")
+    assert best.name == "ckpt_00000006" and best.parent.name == "best"
+    ```
+    """
+
+    def __init__(
+        self,
+        monitor: str = "eval_loss",
+        mode: str = "min",
+        keep: int = 1,
+        directory=None,
+    ):
+        _check_mode(mode, "BestCheckpoint")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(
+                f"BestCheckpoint: expected an int `keep` >= 1, got {keep!r} instead."
+            )
+        self.monitor, self.mode, self.keep = monitor, mode, keep
+        self._given = None if directory is None else pathlib.Path(directory)
+        self.directory: pathlib.Path | None = self._given
+        self.kept: list[tuple[float, int, pathlib.Path]] = []  # best first
+
+    def on_fit_start(self, trainer, state) -> None:
+        directory = self._given
+        if directory is None:
+            parent = trainer.fit_plan.checkpoint_dir
+            if parent is None:
+                raise ValueError(
+                    "BestCheckpoint: expected `fit(checkpoint_dir=...)` or "
+                    "`BestCheckpoint(directory=...)`, got neither. Pass one."
+                )
+            directory = parent / _BEST
+        self.directory = directory.resolve()
+        self.kept = _ranked(self.directory, self.mode)  # a resumed run's
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def on_eval_end(self, trainer, info) -> None:
+        value = _monitored(info, self.monitor, "BestCheckpoint")
+        if not math.isfinite(value):
+            return
+        worst = self.kept[-1][0] if self.kept else None
+        if len(self.kept) >= self.keep and not self._better(value, worst):
+            return
+        path = self.directory / f"ckpt_{info.step:08d}"  # as `fit` names them
+        extra = {"monitor": self.monitor, "mode": self.mode, "value": value}
+        save_checkpoint(path, info.state, extra={_BEST: extra})
+        self.kept = [k for k in self.kept if k[2] != path]
+        self.kept.append((value, info.step, path))
+        sign = 1 if self.mode == "min" else -1
+        self.kept.sort(key=lambda k: (sign * k[0], -k[1]))
+        for _, _, old in self.kept[self.keep :]:
+            if jax.process_index() == 0:
+                shutil.rmtree(old, ignore_errors=True)
+        self.kept = self.kept[: self.keep]
+        log.info("best %s %.6g at step %d: %s", self.monitor, value, info.step, path)
+
+
+def _ranked(directory: pathlib.Path, mode: str) -> list:
+    """The (value, step, path) of the `BestCheckpoint` checkpoints in `directory`,
+    best first (read from their metadata)."""
+    found = []
+    for step, path in list_checkpoints(directory):
+        extra = checkpoint_extra(path).get(_BEST)
+        if extra is not None:
+            found.append((float(extra["value"]), step, path))
+    sign = 1 if mode == "min" else -1
+    return sorted(found, key=lambda k: (sign * k[0], -k[1]))
+
+
+def best_checkpoint(directory) -> pathlib.Path | None:
+    """The best checkpoint `BestCheckpoint` kept: in `directory/best` (a `fit`
+    checkpoint directory) or in `directory` itself, by the value and mode saved
+    with each; None if there is none.
+
+    ```python
+    import tempfile
+    import lowtrain
+
+    assert lowtrain.train.best_checkpoint(tempfile.mkdtemp()) is None
+    ```
+    """
+    directory = pathlib.Path(directory)
+    if (directory / _BEST).is_dir():
+        directory = directory / _BEST
+    found = list_checkpoints(directory)
+    if not found:
+        return None
+    modes = {(checkpoint_extra(p).get(_BEST) or {}).get("mode") for _, p in found}
+    if None in modes or len(modes) != 1:
+        got = "some without a value" if None in modes else "several modes"
+        raise ValueError(
+            "Expected checkpoints written by one `lowtrain.train.BestCheckpoint` in "
+            f"{directory}, got {got} instead. Pick the best by hand, or clear it."
+        )
+    return _ranked(directory, modes.pop())[0][2]

@@ -1,0 +1,251 @@
+"""`precision.auto=true` (`recipes/_autopilot.py`): plans from casts reports during
+training, re-planned as ranges drift, written to the run directory and restored on
+resume; with the recipes' own FP8 precisions."""
+
+import dataclasses
+import json
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hydra import compose, initialize_config_module
+
+import lowtrain
+import lowtrain.numerics as numerics
+from lowtrain.recipes import _autopilot, _common, _config, _run, gpt
+
+_config.register()
+
+
+class Two(eqx.Module):
+    """Two matmuls in named scopes: `a` (x @ wa) and `b` (x @ wb)."""
+
+    wa: jax.Array
+    wb: jax.Array
+
+    def __call__(self, x):
+        with jax.named_scope("a"):
+            ya = x @ self.wa
+        with jax.named_scope("b"):
+            yb = x @ self.wb
+        return ya, yb
+
+
+class Fit(lowtrain.Trainer):
+    # `b`'s output enters the loss scaled by 1e-9: its gradient is far below E5M2's
+    # range, so plain (scale-1) FP8 flushes it; `a`'s is fine.
+    def loss(self, model, batch, *, key):
+        ya, yb = model(batch["x"])
+        return jnp.mean((ya - batch["y"]) ** 2) + 1e-9 * jnp.sum(yb)
+
+
+def _naive_config(**auto):
+    fields = dict(name="fp8_naive", auto=True, auto_every=3, auto_batches=1) | auto
+    return _config.NaiveFp8PrecisionConfig(**fields)
+
+
+@dataclasses.dataclass
+class _Config:
+    precision: object
+
+
+def _data(step):
+    x = jax.random.normal(jax.random.key(step), (16, 8))
+    return {"x": x, "y": x @ jnp.ones((8, 4))}
+
+
+def _setup(config, trainer_class=Fit, model=None):
+    model = model or Two(
+        jax.random.normal(jax.random.key(1), (8, 4)),
+        jax.random.normal(jax.random.key(2), (8, 4)),
+    )
+    opt = optax.sgd(0.01)
+
+    def make(precision):
+        return trainer_class(model, opt, precision=precision)
+
+    base = make(_autopilot.build_precision(config.precision, config.precision.keep))
+    return make, base.init(key=jax.random.key(0))
+
+
+def test_fit_auto_keeps_the_matmul_whose_gradient_flushes(tmp_path):
+    config = _Config(_naive_config())
+    make, state = _setup(config)
+    fit = dict(metrics_file=tmp_path / "metrics.jsonl", progress=False, log_every=1)
+    state, trainer, summary = _autopilot.fit_auto(
+        make, state, _data, steps=7, config=config, out=tmp_path, fit_kwargs=fit
+    )
+    assert int(state.step) == 7
+    assert summary["keep"] == ["b"] and summary["plans"] == 3  # steps 1, 3, 6
+    assert summary["fp8_share"] == 0.5
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["current"]["keep"] == ["b"]
+    assert saved["current"]["override"] == 'precision.keep=["b"]'
+    assert [h["step"] for h in saved["history"]] == [1, 3, 6]
+    assert "b@8x4" in (tmp_path / "plan.txt").read_text()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    plans = [r for r in rows if r.get("event") == "plan"]
+    assert [r["step"] for r in plans] == [1, 3, 6]
+    assert plans[0]["kept"] == ["b@8x4"] and plans[0]["changes"]
+    assert plans[1]["changes"] == []
+    # The final Trainer runs the plan: `b` as written, `a` in FP8.
+    report = numerics.track(
+        trainer.precision.wrap_step(lambda b, s: trainer.loss_and_grads(s, b)[0][1]),
+        casts=True,
+    )(_data(0), state)[1]
+    applied = {r["name"]: r["site"]["applied"] for r in report.rows if r["site"]}
+    assert applied == {"a": True, "b": False}
+
+
+def test_fit_auto_resumes_with_the_plan_in_effect(tmp_path):
+    config = _Config(_naive_config())
+
+    def run(out, steps, resume):
+        make, state = _setup(config)
+        fit = dict(
+            checkpoint_dir=out / "checkpoints",
+            checkpoint_every=4,
+            progress=False,
+            resume=resume,
+        )
+        return _autopilot.fit_auto(
+            make, state, _data, steps=steps, config=config, out=out, fit_kwargs=fit
+        )
+
+    whole, _, _ = run(tmp_path / "whole", 7, False)
+    run(tmp_path / "cut", 4, False)
+    resumed, trainer, summary = run(tmp_path / "cut", 7, True)
+    assert summary["keep"] == ["b"]
+    np.testing.assert_array_equal(resumed.model.wa, whole.model.wa)
+    np.testing.assert_array_equal(resumed.model.wb, whole.model.wb)
+
+
+class Growing(lowtrain.Trainer):
+    # With unit inputs, SGD at lr 7 adds 7 * 16 = 112 to each of `a`'s weights a
+    # step: from 100, past E4M3's 448 (saturating) after four steps.
+    def loss(self, model, batch, *, key):
+        ya, yb = model(batch["x"])
+        return -jnp.sum(ya) + 1e-2 * jnp.sum(yb)  # `b`'s weights move by 1.1 a step
+
+
+def _plans(out):
+    history = json.loads((out / "plan.json").read_text())["history"]
+    return {h["step"]: tuple(h["plan"]["keep"]) for h in history}
+
+
+def test_a_matmul_whose_range_drifts_moves_out(tmp_path):
+    config = _Config(_naive_config(auto_every=2))
+    model = Two(jnp.full((8, 4), 100.0), jnp.ones((8, 4)))
+
+    def make(precision):
+        return Growing(model, optax.sgd(7.0), precision=precision)
+
+    state = make(_autopilot.build_precision(config.precision, [])).init(
+        key=jax.random.key(0)
+    )
+    data = lambda step: {"x": jnp.ones((16, 8))}  # noqa: E731
+    _autopilot.fit_auto(make, state, data, steps=7, config=config, out=tmp_path)
+    keeps = _plans(tmp_path)
+    assert keeps == {1: (), 2: (), 4: ("a",), 6: ("a",)}
+    reason = json.loads((tmp_path / "plan.json").read_text())["plan"]["matmuls"][0]
+    assert "rhs E4M3 saturates 100.00%" in reason["reason"]
+
+
+def test_a_matmul_that_settles_moves_back_in(tmp_path):
+    config = _Config(_naive_config(auto_every=2))
+
+    def data(step):  # tiny inputs until step 4 (E4M3 flushes them), then unit ones
+        x = (1e-6 if step < 4 else 1.0) * jnp.ones((16, 8))
+        return {"x": x, "y": jnp.zeros((16, 4))}
+
+    make, state = _setup(config)
+    _autopilot.fit_auto(make, state, data, steps=7, config=config, out=tmp_path)
+    keeps = _plans(tmp_path)
+    assert keeps[1] == ("a", "b") and keeps[2] == ("a", "b")
+    assert keeps[4] == ("b",)  # `a` moves in; `b`'s gradient still flushes
+
+
+# -- the recipes' precisions ---------------------------------------------------------
+
+
+def _tiny_gpt(recipe, *extra):
+    with initialize_config_module("lowtrain.conf", version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=[
+                f"recipe={recipe}",
+                "model.n_layer=2",
+                "model.n_embd=32",
+                "model.n_head=2",
+                "model.block_size=8",
+                "trainer.batch_size=4",
+                "precision.auto=true",
+                "precision.auto_every=2",
+                "precision.auto_batches=1",
+                *extra,
+            ],
+        )
+    return cfg, _run.to_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [
+        ("gpt_fp8", ()),
+        ("gpt_fp8_delayed", ()),
+        ("gpt", ("precision=fp8_naive",)),
+        ("gpt_unit_fp8", ("precision.keep=[]",)),
+    ],
+)
+def test_every_fp8_recipe_precision_runs_its_plan(tmp_path, recipe, extra):
+    cfg, config = _tiny_gpt(recipe, *extra)
+    model, trainer_class = gpt.build_model(config.model, 11, key=jax.random.key(0))
+    opt = _common.optimizer(cfg, 4, gpt.decay_mask, model)
+    options = _common.trainer_options(config)
+
+    def make(precision):
+        return trainer_class(model, opt, **(options | {"precision": precision}))
+
+    def data(step):
+        tokens = jax.random.randint(jax.random.key(step), (4, 9), 0, 11)
+        return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+    state = make(options["precision"]).init(key=jax.random.key(1))
+    state, trainer, summary = _autopilot.fit_auto(
+        make, state, data, steps=4, config=config, out=tmp_path
+    )
+    assert int(state.step) == 4 and 0 <= summary["fp8_share"] <= 1
+    # Whatever the plan, keeping a matmul makes its casts shadows: check it with the
+    # head (its scope names it in every model), kept on purpose.
+    head = "projection" if recipe.startswith("gpt_unit") else "btc,vc->btv"
+    kept = make(_autopilot.build_precision(config.precision, [head]))
+    report = numerics.track(
+        kept.precision.wrap_step(lambda b, s: kept.loss_and_grads(s, b)[0][1]),
+        casts=True,
+    )(kept.shard_batch(data(0)), state)[1]
+    fp8_rows = [r for r in report.rows if r["site"]]
+    assert fp8_rows
+    for r in fp8_rows:
+        assert r["site"]["applied"] == (r["name"].split("/")[-1] != head), r["name"]
+    plan = numerics.plan(report)
+    assert {m.name.split("/")[-1] for m in plan.matmuls} >= {head}
+
+
+def test_carry_state_keeps_what_matches():
+    old = {"w": jnp.ones(3), "v": jnp.zeros(2)}
+    new = {"w": jnp.zeros(3), "v": jnp.ones(4), "u": jnp.ones(1)}
+    out = _autopilot.carry_state(old, new)
+    np.testing.assert_array_equal(out["w"], old["w"])  # same path and shape
+    np.testing.assert_array_equal(out["v"], new["v"])  # shape changed: afresh
+    np.testing.assert_array_equal(out["u"], new["u"])
+
+
+def test_fit_auto_refuses_a_precision_without_auto(tmp_path):
+    config = _Config(_naive_config(auto=False))
+    make, state = _setup(config)
+    with pytest.raises(ValueError, match="auto=true"):
+        _autopilot.fit_auto(make, state, _data, steps=2, config=config)
