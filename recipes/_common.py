@@ -20,6 +20,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import lowtrain
 import lowtrain.numerics
 
+from . import _autopilot
 from ._config import Config
 from ._prefetch import Prefetch
 from ._task import Task, split_model
@@ -155,14 +156,20 @@ def fit(
     cfg: DictConfig | None = None,
     data_fingerprint: dict | None = None,
     callbacks: list | None = None,
-) -> lowtrain.TrainState:
+    rebuild: Callable[[Any], lowtrain.Trainer] | None = None,
+) -> tuple[lowtrain.TrainState, lowtrain.Trainer, dict | None]:
     """`trainer.fit` with the run's outputs: `metrics.jsonl` and the loggers
     `trainer.loggers` names, `checkpoints/` (and `checkpoints/best/` with
     `trainer.keep_best`), a progress bar, and a log line per evaluation; early
     stopping with `trainer.early_stopping`, and `callbacks`. Each checkpoint holds
     the run's resolved config (`cfg`) and `data_fingerprint` (the data's digest, the
     vocabulary); a resume that would change them is refused (`resume_differences`)
-    before anything is loaded."""
+    before anything is loaded.
+
+    With `precision.auto`, the FP8 autopilot (`recipes/_autopilot.py`) trains
+    instead, building a Trainer per plan with `rebuild(precision)`. Returns the
+    final state, the Trainer that trained last (under the last plan) and the
+    autopilot's summary (None without it)."""
     t = config.trainer
     extra = {
         "config": (
@@ -199,8 +206,12 @@ def fit(
                 info.loss,
             )
 
-    trainer.add_hook(report, every=t.eval_every or steps)
-    trainer.numerics.fmt = t.numerics_format
+    def prepare(trainer: lowtrain.Trainer) -> lowtrain.Trainer:
+        trainer.add_hook(report, every=t.eval_every or steps)
+        trainer.numerics.fmt = t.numerics_format
+        return trainer
+
+    prepare(trainer)
     callbacks = [*run_callbacks(config), *(callbacks or ())]
     loggers = []
     if jax.process_index() == 0:
@@ -214,32 +225,47 @@ def fit(
             logger.log_hyperparams(extra["config"])
     state = trainer.init(key=key)
     source = Prefetch(data, t.prefetch) if t.prefetch else data
+    fit_kwargs = dict(
+        eval_data=eval_data,
+        eval_every=t.eval_every,
+        log_every=t.log_every,
+        metrics_file=out / "metrics.jsonl",
+        checkpoint_dir=ckpt_dir,
+        checkpoint_extra=extra,
+        checkpoint_every=t.checkpoint_every,
+        keep_checkpoints=t.keep_checkpoints,
+        async_checkpoint=t.async_checkpoint,
+        resume=t.resume,
+        progress=t.progress,
+        callbacks=callbacks,
+        loggers=loggers,
+    )
+    auto = None
     try:
         with logging_redirect_tqdm():  # log lines above the progress bar
-            state = trainer.fit(
-                state,
-                source,
-                steps=steps,
-                eval_data=eval_data,
-                eval_every=t.eval_every,
-                log_every=t.log_every,
-                metrics_file=out / "metrics.jsonl",
-                checkpoint_dir=ckpt_dir,
-                checkpoint_extra=extra,
-                checkpoint_every=t.checkpoint_every,
-                keep_checkpoints=t.keep_checkpoints,
-                async_checkpoint=t.async_checkpoint,
-                resume=t.resume,
-                progress=t.progress,
-                callbacks=callbacks,
-                loggers=loggers,
-            )
+            if getattr(config.precision, "auto", False):
+                if rebuild is None:
+                    raise ValueError(
+                        "Expected `rebuild` (a Trainer per precision) for "
+                        "`precision.auto=true`, got None."
+                    )
+                state, trainer, auto = _autopilot.fit_auto(
+                    lambda precision: prepare(rebuild(precision)),
+                    state,
+                    source,
+                    steps=steps,
+                    config=config,
+                    out=out,
+                    fit_kwargs=fit_kwargs,
+                )
+            else:
+                state = trainer.fit(state, source, steps=steps, **fit_kwargs)
     finally:
         if isinstance(source, Prefetch):
             source.close()
         for logger in loggers:
             logger.close()
-    return state
+    return state, trainer, auto
 
 
 def _resumed_step(latest) -> int | None:
@@ -275,7 +301,11 @@ def train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path) -> dic
     data = task.data(config)
     steps = total_steps(config, getattr(data.train, "steps_per_epoch", None))
     trainer, key = build_trainer(task, config, cfg, steps)
-    state = fit(
+
+    def rebuild(precision) -> lowtrain.Trainer:  # the autopilot's, one per plan
+        return build_trainer(task, config, cfg, steps, precision=precision)[0]
+
+    state, trainer, auto = fit(
         trainer,
         config,
         data.train,
@@ -286,8 +316,11 @@ def train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path) -> dic
         cfg=cfg,
         data_fingerprint=dict(data.fingerprint),
         callbacks=task.callbacks(config),
+        rebuild=rebuild,
     )
     results = dict(task.results(trainer, state, data, config, out))
+    if auto is not None:
+        results["auto"] = auto
     results.setdefault("steps", int(state.step))
     if t.early_stopping is not None and int(state.step) < steps:
         results["stopped_early_at"] = int(state.step)
@@ -298,14 +331,17 @@ def train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path) -> dic
 
 
 def build_trainer(
-    task: Task, config: Config, cfg: DictConfig, steps: int
+    task: Task, config: Config, cfg: DictConfig, steps: int, *, precision=None
 ) -> tuple[lowtrain.Trainer, jax.Array]:
     """The task's Trainer for `config` (its model from the seed's first key), and
-    the key its state starts from (the second)."""
+    the key its state starts from (the second); `precision` replaces the one the
+    config builds (the autopilot's plans)."""
     model_key, state_key = jax.random.split(jax.random.key(config.trainer.seed))
     model, model_state = split_model(task.model(config, key=model_key))
     trainer_class = task.trainer_class(config, model)
     options = trainer_options(config)
+    if precision is not None:
+        options["precision"] = precision
     if model_state is not None:
         options["model_state"] = model_state
     trainer = trainer_class(
@@ -315,22 +351,32 @@ def build_trainer(
 
 
 def numerics_summary(out: pathlib.Path, fmt: str) -> dict | None:
-    """The five worst tensors for `fmt` in the last report of `out/numerics.jsonl`
-    (written with `trainer.numerics_every`), or None if there is none."""
+    """The five worst tensors of the last report in `out/numerics.jsonl` (written
+    with `trainer.numerics_every`), or None if there is none. A casts report (what a
+    low precision casts) ranks its casts by what each loses in its own format, with
+    `lowtrain.numerics.worst_casts`' advice; a report of every tensor (a float32
+    step) ranks them against `fmt` (`trainer.numerics_format`)."""
     path = out / "numerics.jsonl"
     if not path.exists():
         return None
     with open(path, encoding="utf-8") as f:
         last = [line for line in f if line.strip()][-1]
     record = json.loads(last)
-    worst = lowtrain.numerics.Report(record["rows"]).worst(5, fmt)
+    report = lowtrain.numerics.Report(record["rows"], kind=record.get("kind", "all"))
+    if report.kind == "casts":
+        return {
+            "step": record["step"],
+            "kind": "casts",
+            "worst": lowtrain.numerics.worst_casts(report, 5),
+        }
     keys = ("name", "pass", "dtype", "shape", "rms", "absmax")
     return {
         "step": record["step"],
+        "kind": "all",
         "format": fmt,
         "worst": [
             {k: r[k] for k in keys}
             | {"underflow": r["underflow"][fmt], "overflow": r["overflow"][fmt]}
-            for r in worst
+            for r in report.worst(5, fmt)
         ],
     }

@@ -201,7 +201,7 @@ class TrainerConfig:
     sharding: str = "replicated"  # or "fsdp": parameters, optimizer state split
     grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
     numerics_every: int | None = None  # steps between numerics reports (None: off)
-    numerics_format: str = "float8_e4m3fn"  # the format numerics.png and summary judge
+    numerics_format: str = "float8_e4m3fn"  # numerics.png judges in it (fp32: summary)
     # Loggers besides metrics.jsonl (always written): csv, tensorboard, wandb, mlflow.
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])
     monitor: str = "eval_loss"  # what early stopping and the best checkpoint watch

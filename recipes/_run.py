@@ -131,6 +131,13 @@ def run(cfg: DictConfig, output_dir) -> dict:
         + (f", {skipped} skipped" if skipped else "")
         + f", {seconds:.0f} s)"
     )
+    if results.get("auto"):
+        auto = results["auto"]
+        print(
+            f"autopilot: FP8 on {auto['fp8_share']:.1%} of matmul FLOPs at the end "
+            f"({auto['fp8_share_run']:.1%} over the run, {auto['plans']} plans); "
+            f"plan.json, plan.txt"
+        )
     print(
         f"outputs: {out} (summary.json, metrics.jsonl, "
         f"{', '.join(p.name for p in plots)}, checkpoints/)"

@@ -139,7 +139,7 @@ def naive_fp8(
             "Use `precision=fp8_naive precision.policy=bf16`."
         )
     rules = fp8_cast_rules(weights_only, min_dim, rounding)
-    rewrite = Rewrite(rules, keep_scopes(list(keep), rules))
+    rewrite = Rewrite(rules, keep_scopes(keep, rules))
     return Chain(rewrite, amp(policy))
 
 

@@ -1,14 +1,15 @@
-"""The numerics reports of the three FP8 GPT recipes, side by side (the numerics
-guide, docs/guides/numerics.md).
+"""The numerics reports of the three FP8 GPT recipes, side by side
+(docs/numerics.md).
 
 Runs `gpt_fp8`, `gpt precision=fp8_naive` and `gpt_scalify_fp8` for `--steps` steps
-with `trainer.numerics_every` (a report of the loss-and-gradient program before the
-first step and every `--every` steps after), one at a time, each into
-`--out/<name>/`; then prints, for each run's first and last report, the tensors an
-FP8 cast hurts most: forward tensors judged in E4M3 and backward ones in E5M2 (the
-formats FP8 training casts them to), and how many values the FP8 tensors of the
-program hold as zeros. `--no-run` reads existing runs. Scale plots of the last
-reports go to `--plots` (E4M3 range shaded).
+with `trainer.numerics_every` (a casts report of the loss-and-gradient program
+before the first step and every `--every` steps after: each cast the precision
+performs, judged after its scale in the format it casts to), one at a time, each
+into `--out/<name>/`; then prints, for each run's first and last report, how many
+casts lose more than 1% per format, the worst casts with what fixes them
+(`lowtrain.numerics.worst_casts`) and the plan the autopilot would make from the
+report (`lowtrain.numerics.plan`, default thresholds). `--no-run` reads existing
+runs. Scale plots of the last reports, the plan marked, go to `--plots`.
 
     nice -n 5 python scripts/numerics_fp8.py --steps 1 --every 1 \\
         --out outputs/numerics --plots docs/numerics   # at initialisation
@@ -23,14 +24,13 @@ import pathlib
 import subprocess
 import sys
 
-from lowtrain.numerics import Report
+from lowtrain.numerics import Report, plan, worst_casts
 
 RUNS = {
     "gpt_fp8": ["recipe=gpt_fp8"],
     "gpt_fp8_naive": ["recipe=gpt", "precision=fp8_naive"],
     "gpt_scalify_fp8": ["recipe=gpt_scalify_fp8"],
 }
-JUDGE = {"fwd": "float8_e4m3fn", "bwd": "float8_e5m2"}
 
 
 def run(name: str, steps: int, every: int, out: pathlib.Path) -> None:
@@ -49,60 +49,39 @@ def run(name: str, steps: int, every: int, out: pathlib.Path) -> None:
     subprocess.run([sys.executable, "-m", "lowtrain", *args], check=True)
 
 
+def percent(x: float) -> str:
+    return f"{100 * x:.3g}%"  # 3 digits: a loss of 1e-5 is not shown as 0.0%
+
+
 def lost(row: dict) -> float:
-    fmt = JUDGE[row["pass"]]
+    fmt = row["dtype"]
     return row["underflow"][fmt] + row["overflow"][fmt]
 
 
-def table(report: Report, limit: int) -> list[str]:
-    rows = [r for r in report.rows if not r["dtype"].startswith("float8")]
-    worst = sorted(rows, key=lambda r: (-lost(r), -r["size"]))[:limit]
+def summary(report: Report) -> str:
+    """Casts per format and how many lose more than 1% of their values."""
+    parts = []
+    for fmt in sorted({r["dtype"] for r in report.rows}):
+        rows = [r for r in report.rows if r["dtype"] == fmt]
+        bad = sum(lost(r) > 0.01 for r in rows)
+        parts.append(f"{len(rows)} casts to {fmt}, {bad} losing > 1%")
+    return "; ".join(parts) or "no casts"
+
+
+def worst(report: Report, limit: int) -> list[str]:
     out = [
-        "| pass | tensor | dtype[shape] | rms | absmax | underflow | overflow |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| pass | cast | format[shape] | rms | absmax | flushed | saturated | fix |",
+        "|---|---|---|---:|---:|---:|---:|---|",
     ]
-    for r in worst:
-        fmt = JUDGE[r["pass"]]
-        shape = ",".join(map(str, r["shape"]))
+    for w in worst_casts(report, limit):
+        shape = ",".join(map(str, w["shape"]))
+        role = f" ({w['role']})" if w["role"] else ""
         out.append(
-            f"| {r['pass']} | `{r['name']}` | {r['dtype']}[{shape}] | {r['rms']:.3g} "
-            f"| {r['absmax']:.3g} | {r['underflow'][fmt]:.1%} "
-            f"| {r['overflow'][fmt]:.1%} |"
+            f"| {w['pass']} | `{w['name']}`{role} | {w['dtype']}[{shape}] "
+            f"| {w['rms']:.3g} | {w['absmax']:.3g} | {percent(w['underflow'])} "
+            f"| {percent(w['overflow'])} | {w['advice']} |"
         )
     return out
-
-
-def casts(report: Report) -> list[str]:
-    """Every FP8 tensor of the program: the fraction of its values that are zero
-    (a causal mask's zeros are real; the rest were flushed by the cast)."""
-    out = [
-        "| pass | FP8 tensor | dtype[shape] | rms | zero |",
-        "|---|---|---|---:|---:|",
-    ]
-    for r in report.rows:
-        if r["dtype"].startswith("float8"):
-            shape = ",".join(map(str, r["shape"]))
-            out.append(
-                f"| {r['pass']} | `{r['name']}` | {r['dtype']}[{shape}] "
-                f"| {r['rms']:.3g} | {r['zero']:.1%} |"
-            )
-    return out
-
-
-def summary(report: Report) -> str:
-    parts = []
-    for pass_, fmt in JUDGE.items():
-        rows = [r for r in report.rows if r["pass"] == pass_]
-        bad = [r for r in rows if lost(r) > 0.01]
-        parts.append(f"{pass_}: {len(bad)} of {len(rows)} tensors lose > 1% in {fmt}")
-    fp8 = [r for r in report.rows if r["dtype"].startswith("float8")]
-    for pass_ in JUDGE:
-        rows = [r for r in fp8 if r["pass"] == pass_]
-        if rows:
-            size = sum(r["size"] for r in rows)
-            zero = sum(r["zero"] * r["size"] for r in rows) / size
-            parts.append(f"{pass_} FP8 tensors: {len(rows)}, {zero:.1%} of values zero")
-    return "; ".join(parts)
 
 
 def main():
@@ -122,15 +101,20 @@ def main():
             run(name, args.steps, args.every, args.out)
         path = args.out / name / "numerics.jsonl"
         records = [json.loads(line) for line in path.read_text().splitlines()]
-        for record in (records[0], records[-1]) if len(records) > 1 else records:
-            report = Report(record["rows"])
+        reports = [Report(r["rows"], kind=r.get("kind", "all")) for r in records]
+        for record, report in list(zip(records, reports))[:: max(len(records) - 1, 1)]:
+            if report.kind != "casts":
+                raise SystemExit(f"{path}: expected casts reports, got {report.kind}")
             print(f"\n### {name}, before step {record['step'] + 1}\n")
             print(summary(report) + ".\n")
-            print("\n".join(table(report, args.limit)) + "\n")
-            print("\n".join(casts(report)))
+            print("\n".join(worst(report, args.limit)) + "\n")
+            if plan(report).matmuls:  # scalify's FP8 casts are not matmul sites
+                print("```\n" + plan(report).table() + "\n```")
         if args.plots is not None:
             args.plots.mkdir(parents=True, exist_ok=True)
-            Report(records[-1]["rows"]).plot(args.plots / f"{name}.png")
+            last = reports[-1]
+            decided = plan(last) if last.rows else None
+            last.plot(args.plots / f"{name}.png", plan=decided)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,9 @@ def test_the_walk_sees_imports():
     # The checker itself: known edges are found, relative and inside functions too.
     assert "lowtrain._interpret" in GRAPH["lowtrain._amp._transform"]
     assert "lowtrain.fp8" in GRAPH["lowtrain.train._precisions"]
-    assert "lowtrain.recipes.gpt" in GRAPH["lowtrain.recipes._run"]
+    assert "lowtrain.recipes._task" in GRAPH["lowtrain.recipes._run"]
+    inside_a_function = GRAPH["lowtrain.unit_scaling._transform"]
+    assert "lowtrain.unit_scaling.functional" in inside_a_function
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
 

@@ -196,8 +196,8 @@ def _tiny_gpt(recipe, *extra):
     "recipe, extra",
     [
         ("gpt_fp8", ()),
-        ("gpt_fp8_delayed", ()),
-        ("gpt", ("precision=fp8_naive",)),
+        pytest.param("gpt_fp8_delayed", (), marks=pytest.mark.slow),
+        pytest.param("gpt", ("precision=fp8_naive",), marks=pytest.mark.slow),
         ("gpt_unit_fp8", ("precision.keep=[]",)),
     ],
 )
@@ -249,3 +249,69 @@ def test_fit_auto_refuses_a_precision_without_auto(tmp_path):
     make, state = _setup(config)
     with pytest.raises(ValueError, match="auto=true"):
         _autopilot.fit_auto(make, state, _data, steps=2, config=config)
+
+
+def _cli_config(tmp_path, steps, *extra):
+    text = tmp_path / "tiny.txt"
+    if not text.exists():
+        rng = np.random.default_rng(0)
+        words = np.array(["to", "be", "or", "not", "that", "is", "the", "question"])
+        text.write_text("\n".join(" ".join(rng.choice(words, 8)) for _ in range(200)))
+    with initialize_config_module("lowtrain.conf", version_base="1.3"):
+        return compose(
+            "config",
+            overrides=[
+                "recipe=gpt",
+                "precision=fp8_naive",
+                "precision.auto=true",
+                "precision.auto_every=3",
+                "precision.auto_batches=1",
+                f"data.path={text}",
+                "model.n_layer=1",
+                "model.n_embd=16",
+                "model.n_head=2",
+                "model.block_size=8",
+                f"trainer.steps={steps}",
+                "trainer.batch_size=8",
+                "trainer.eval_batch_size=8",
+                "data.eval_batches=1",
+                "trainer.eval_every=3",
+                "trainer.checkpoint_every=3",
+                "trainer.progress=false",
+                *extra,
+            ],
+        )
+
+
+def _check_cli_run(out, summary):
+    auto = summary["auto"]
+    assert auto["plans"] == 2 and 0 <= auto["fp8_share"] <= 1  # at steps 1 and 3
+    saved = json.loads((out / "plan.json").read_text())
+    assert [h["step"] for h in saved["history"]] == [1, 3]
+    assert saved["current"]["keep"] == auto["keep"]
+    assert saved["current"]["override"].startswith("precision.keep=[")
+    assert (out / "plan.txt").read_text().startswith("step 3\n")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    plans = [r for r in map(json.loads, lines) if r.get("event") == "plan"]
+    assert [r["step"] for r in plans] == [1, 3]
+
+
+def test_the_cli_runs_the_autopilot(tmp_path):
+    # `python -m lowtrain recipe=gpt precision=fp8_naive precision.auto=true`: the
+    # plans in the run directory, the metrics and the summary.
+    out = tmp_path / "run"
+    _check_cli_run(out, _run.run(_cli_config(tmp_path, 4), out))
+
+
+@pytest.mark.slow
+def test_the_cli_resumes_with_the_plan_in_effect(tmp_path, caplog):
+    out = tmp_path / "run"
+    _check_cli_run(out, _run.run(_cli_config(tmp_path, 4), out))
+    # Resumed to 7 steps: from step 4 with step 3's plan, one more plan at step 6.
+    caplog.set_level("INFO", logger="lowtrain")
+    longer = ("trainer.resume=true", "trainer.resume_allow=[trainer.steps]")
+    summary = _run.run(_cli_config(tmp_path, 7, *longer), out)
+    assert "autopilot: resuming with the plan of step 3" in caplog.text
+    assert summary["steps"] == 7 and summary["auto"]["plans"] == 3
+    saved = json.loads((out / "plan.json").read_text())
+    assert [h["step"] for h in saved["history"]] == [1, 3, 6]

@@ -127,6 +127,7 @@ def test_no_fp8_cast_waits_for_its_own_amax(delayed, getkey):
     assert not any(waits) if delayed else all(waits)
 
 
+@pytest.mark.slow
 def test_delayed_fp8_trains_the_gpt_with_one_history_per_layer(getkey):
     model = tiny_gpt(getkey(), n_layer=2)
     trainer = gpt.GptTrainer(

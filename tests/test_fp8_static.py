@@ -274,7 +274,9 @@ def _weight_casts_in_loop(hlo: str, weight_shapes) -> tuple[int, int]:
     return len(casting & inside), len(casting - inside)
 
 
-@pytest.mark.parametrize("recipe", ["gpt_fp8", "gpt_unit_fp8"])
+@pytest.mark.parametrize(
+    "recipe", ["gpt_fp8", pytest.param("gpt_unit_fp8", marks=pytest.mark.slow)]
+)
 def test_weights_are_cast_to_fp8_once_per_step_under_grad_accum(recipe):
     # With 4 micro-batches the FP8 casts of the weights are computed once per step,
     # outside the accumulation loop (XLA hoists them: they depend on the weights

@@ -324,9 +324,10 @@ def _wandb_records(path: pathlib.Path):
 
 def test_wandb_logger_offline_run_reads_back(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
+    # mode= rather than WANDB_MODE: wandb reads its environment once per process, so
+    # an earlier run in this worker (the docs example) would hide the variable.
     monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = WandbLogger(project="lowtrain", name="test", dir=tmp_path)
+    logger = WandbLogger(project="lowtrain", name="test", dir=tmp_path, mode="offline")
     assert not (tmp_path / "wandb").exists()  # the run starts at first use
     logger.log_hyperparams({"optimizer": {"lr": 0.1}, "steps": 3})
     _log_all(logger)

@@ -546,7 +546,7 @@ def _fp8_casts(loss_fn, model, tokens, targets):
     return dtypes.count(np.dtype(fp8.E4M3)), dtypes.count(np.dtype(fp8.E5M2))
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8"])
+@pytest.mark.parametrize("fmt", [pytest.param("fp16", marks=pytest.mark.slow), "fp8"])
 def test_gpt_train_step_under_scalify(fmt, getkey):
     # The recipes' GPT (blocks under lax.scan, causal attention, GELU MLP, tied head).
     # One block: scans over several are `test_control_flow`'s, and each block more

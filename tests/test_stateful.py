@@ -218,7 +218,8 @@ def test_amp_composes_with_vmap_axis_name_in_both_orders(order):
     )
 
 
-def test_flax_linen_batchnorm_and_dropout_trained_by_the_trainer():
+@pytest.mark.parametrize("policy", ["bf16", "fp16", "fp8"])
+def test_flax_linen_batchnorm_and_dropout_trained_by_the_trainer(policy):
     nn = pytest.importorskip("flax.linen")
 
     class LinenNet(nn.Module):
@@ -244,14 +245,20 @@ def test_flax_linen_batchnorm_and_dropout_trained_by_the_trainer():
                     rngs={"dropout": key} if key is not None else {},
                 )
 
-            logits, updates = lowtrain.amp(apply, "bf16")(params, state, batch["x"])
+            logits, updates = lowtrain.amp(apply, policy)(params, state, batch["x"])
             loss = optax.softmax_cross_entropy_with_integer_labels(
                 logits.astype(jnp.float32), batch["y"]
             ).mean()
             return loss, updates.get("batch_stats", state) if updates else state
 
+    # amp inside the loss: the Trainer's own precision stays fp32, so fp16's loss
+    # scale is passed by hand.
+    scale = lowtrain.DynamicLossScale() if policy == "fp16" else None
     trainer = LinenTrainer(
-        variables["params"], optax.adam(1e-2), model_state=variables["batch_stats"]
+        variables["params"],
+        optax.adam(1e-2),
+        model_state=variables["batch_stats"],
+        loss_scale=scale,
     )
     s = trainer.init(key=jax.random.key(1))
     s = trainer.fit(s, lowtrain.ArrayBatches(_data(), 32), steps=40, progress=False)

@@ -6,6 +6,8 @@ import math
 
 from ._report import Report
 
+NEGLIGIBLE = 1e-3  # a cast losing less than this fraction needs no advice
+
 
 def _advice(row: dict) -> str:
     fmt = row["dtype"]
@@ -18,6 +20,8 @@ def _advice(row: dict) -> str:
             f"keep it wide: `precision.keep=[{where}@"
             f"{'x'.join(map(str, site['rhs']))}]` (or `precision.auto=true`)"
         )
+    if flush + sat < NEGLIGIBLE:
+        return f"loses under {NEGLIGIBLE:.1%}: nothing to fix"
     if site is None:  # a plain cast to float16/bfloat16
         if flush > sat:
             return "underflows: scale it up (a loss scale) or keep it in float32"
@@ -37,8 +41,9 @@ def worst_casts(report: Report, n: int = 5) -> list[dict]:
     an FP8 cast in its matmul, else None), `layer`, `dtype` (the format), `shape`,
     `rms`, `absmax`, `underflow`, `overflow` (fractions in that format) and
     `advice` (what fixes it: keep the matmul wide with `precision.keep=[...]`, a
-    scale, or a wider format). Only low-format casts are ranked; a report of every
-    tensor has none.
+    scale, or a wider format). Only low-format casts are ranked, and only those
+    that lose something (fewer than `n` when fewer do); a report of every tensor
+    has none.
 
     ```python
     import jax
@@ -68,6 +73,8 @@ def worst_casts(report: Report, n: int = 5) -> list[dict]:
     out = []
     for r in report.worst(n, None):
         fmt = r["dtype"]
+        if r["underflow"][fmt] + r["overflow"][fmt] == 0:
+            break  # worst first: the rest lose nothing either
         site = r.get("site")
         out.append(
             {

@@ -40,7 +40,8 @@ def _range(fmt: str) -> tuple[float, float, float]:
 
 def plot_report(report, path, fmt: str, plan=None) -> None:
     """Write `report`'s scale plot as a PNG to `path` (see `Report.plot`)."""
-    if report.kind == "casts":
+    sites = [r for r in report.rows if r.get("site") and r["site"]["role"] in _ROLES]
+    if report.kind == "casts" and sites:
         _plot_casts(report, path, plan)
     else:
         _plot_all(report, path, fmt)

@@ -66,11 +66,12 @@ class Report:
     `FORMATS` (`"float16"`, `"bfloat16"`, `"float8_e4m3fn"`, `"float8_e5m2"`) to the
     fraction of the nonzero values that would round to zero / past the format's
     largest finite value if cast as they are (round to nearest even; 0.0 when all
-    values are zero). A casts report's rows also have `layer` (the iteration of
-    the scan they are in, or None) and `site` (None for a cast to float16 or
-    bfloat16; for an FP8 cast a dict: `format`, `role` "lhs", "rhs" or "grad",
-    `gemm` `[batch, M, N, K]` of its matmul, `rhs` the shape of the matmul's right
-    operand, `applied` False for a shadow); their `dtype` is the format cast to.
+    values are zero; an infinity is no overflow, a cast keeps it). A casts
+    report's rows also have `layer` (the iteration of the scan they are in, or
+    None) and `site` (None for a cast to float16 or bfloat16; for an FP8 cast a
+    dict: `format`, `role` "lhs", "rhs" or "grad", `gemm` `[batch, M, N, K]` of its
+    matmul, `rhs` the shape of the matmul's right operand, `applied` False for a
+    shadow); their `dtype` is the format cast to.
 
     ```python
     import jax.numpy as jnp
@@ -193,7 +194,8 @@ class Report:
         bar of log2 RMS to log2 absmax over its format's range (E4M3 forward, E5M2
         backward), casts losing more than 1% marked; with `plan` (a
         `lowtrain.numerics.Plan`), the matmuls it keeps wide marked too. A report
-        of every tensor: one row per tensor in program order, log2 RMS forward and
+        of every tensor, or a casts report with no matmul's FP8 casts (scalify
+        casts its own way): one row per tensor in program order, log2 RMS forward and
         backward over the range of `fmt`, tensors that lose values in `fmt`
         marked."""
         plot_report(self, path, _check_format(fmt), plan)

@@ -68,9 +68,10 @@ def _bits(value: float) -> int:
 def _lowest_counted() -> np.ndarray:
     # Per check, the smallest float32 bit pattern of `|x|` it counts (for `|x| >= 0`
     # the bit patterns, as int32, are ordered as the values): nonzero, not lost to
-    # underflow per format, overflow per format, NaN. Bit patterns, not float
-    # comparisons, so float32 subnormals (bfloat16's smallest values) count exactly:
-    # XLA's CPU backend flushes them to zero in float arithmetic.
+    # underflow per format, overflow per format, infinite or NaN, NaN. Bit
+    # patterns, not float comparisons, so float32 subnormals (bfloat16's smallest
+    # values) count exactly: XLA's CPU backend flushes them to zero in float
+    # arithmetic.
     lowest = [1]
     for fmt in FORMATS:
         under, inclusive, _, _ = THRESHOLDS[fmt]
@@ -78,6 +79,7 @@ def _lowest_counted() -> np.ndarray:
     for fmt in FORMATS:
         _, _, over, inclusive = THRESHOLDS[fmt]
         lowest.append(_bits(over) + (not inclusive))
+    lowest.append(_bits(np.inf))  # infinite or NaN
     lowest.append(_bits(np.inf) + 1)  # NaN
     return np.array(lowest, np.int32)
 
@@ -215,7 +217,8 @@ def _unpack(packed: Int[Array, "chunks p"]) -> Int[Array, "chunks n"]:
 def _chunk_sums(v: Float[Array, " n"]):
     """Per chunk of `v` (float32, whole chunks): the largest `|x|` (as its bit
     pattern), the sum of squares at the middle of SCALES, and every count of
-    `_LOWEST` (nonzero, not lost to underflow per format, overflow per format, NaN).
+    `_LOWEST` (nonzero, not lost to underflow per format, overflow per format,
+    infinite or NaN, NaN).
 
     One variadic reduction, reading `v` once: XLA's CPU backend fuses it with the
     reads and vectorises it, as it does for an integer maximum (of the bit
@@ -342,8 +345,9 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
     flags = jax.ops.segment_sum(chunk_counts, **seg)
     k = len(FORMATS)
     counted, kept = flags[:, :1], flags[:, 1 : 1 + k]
-    over, nan = flags[:, 1 + k : -1], flags[:, -1:]
+    over, nonfinite, nan = flags[:, 1 + k : -2], flags[:, -2:-1], flags[:, -1:]
     size = jnp.asarray(np.array(sizes, np.int32))[:, None]
-    # NaN is in every flag (its bit pattern is above all), and counted in none.
-    counts = jnp.concatenate([size, counted - nan, counted - kept, over - nan], 1)
+    # NaN is in every flag (its bit pattern is above all), and counted in none. An
+    # infinity is nonzero but no overflow: a cast keeps it (a -inf attention mask).
+    counts = jnp.concatenate([size, counted - nan, counted - kept, over - nonfinite], 1)
     return jnp.stack([absmax, sumsq], 1), counts
