@@ -38,6 +38,7 @@ def check_row(row, precision):
 
 # In the default run (20 s on one core: three compiles, then 200 steps): the one
 # command runs end to end on a CPU, files and targets included.
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU columns")
 def test_bench_quick_fp32_on_cpu(tmp_path):
     result = run_bench(tmp_path, "--precisions", "fp32")

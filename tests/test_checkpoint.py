@@ -171,7 +171,9 @@ KILLED = """
 """
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize(
+    "mode", ["sync", pytest.param("async", marks=pytest.mark.slow)]
+)
 def test_sigkill_during_save_keeps_previous_checkpoint(mode, tmp_path):
     ckpt = tmp_path / "ckpt"
     ((code, output),) = run_processes(KILLED, [(ckpt, mode)])

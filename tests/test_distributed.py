@@ -128,6 +128,7 @@ def test_two_processes_fsdp_train_as_one_and_resume(tmp_path):
     assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, final))
 
 
+@pytest.mark.slow
 def test_two_processes_resume_bit_for_bit(two_processes, tmp_path):
     out, losses, final = two_processes
     (tmp_path / "ckpt").mkdir()
@@ -170,6 +171,7 @@ def run_cli(cwd, overrides, processes):
     return runs[0], [output for _, output in results]
 
 
+@pytest.mark.slow
 def test_two_process_cli_writes_one_run(tmp_path):
     folder = fake_mnist(tmp_path / "idx", n_train=128, n_test=32)
     overrides = (

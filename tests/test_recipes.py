@@ -547,7 +547,9 @@ def test_gpt_run_naive_fp8(tmp_path):
     assert (tmp_path / "run" / "sample.txt").read_text()
 
 
-@pytest.mark.parametrize("recipe", ["gpt_unit_fp32", "gpt_unit_fp8"])
+@pytest.mark.parametrize(
+    "recipe", [pytest.param("gpt_unit_fp32", marks=pytest.mark.slow), "gpt_unit_fp8"]
+)
 def test_gpt_unit_runs(tmp_path, recipe):
     # The unit-scaled GPT with u-μP's AdamW; fp8: plain casts, no scales.
     config = _run.to_config(make_config(f"recipe={recipe}"))
@@ -592,6 +594,7 @@ def test_gpt_small_has_gpt2_smalls_shape():
         gpt.build_model(_config.GPTConfig(vocab_size=10), 65, key=jax.random.key(0))
 
 
+@pytest.mark.slow
 def test_gpt_dropout(getkey):
     tokens = jnp.zeros((2, 8), jnp.int32)
     plain = gpt.GPT(_config.GPTConfig(2, 2, 16, 8), 16, key=jax.random.key(0))
@@ -667,6 +670,7 @@ def test_mnist_unit_fp8_composes():
 # -- the real command line, in a subprocess ------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_sweep(tmp_path):
     folder = fake_mnist(tmp_path / "idx", n_train=128, n_test=32)
     command = [

@@ -427,7 +427,7 @@ def _no_rescales(loss, params, args):
 
 
 # Each case compiles a GPT gradient twice (float32, scalified): ~20 s of CPU.
-SLOW_POW2 = ["down", *(pytest.param(m, marks=pytest.mark.slow) for m in ("up", "none"))]
+SLOW_POW2 = [pytest.param(m, marks=pytest.mark.slow) for m in ("down", "up", "none")]
 
 
 @pytest.mark.parametrize("pow2", SLOW_POW2)
