@@ -70,12 +70,12 @@ def build(case: str, key):
         return Fp8Regression, model, {}, regression_batch
     if case == "gpt_unit":
         model = uu.TransformerDecoder(WIDTH, VOCAB, layers=2, heads=4, key=key)
-        return UnitGptTrainer, model, {"policy": "bf16"}, gpt_batch
+        return UnitGptTrainer, model, {"precision": "bf16"}, gpt_batch
     model = GPT(GPTConfig(2, 4, WIDTH, LENGTH, True), VOCAB, key=key)
     options = {
-        "gpt_fp32": {"policy": "fp32"},
-        "gpt_bf16": {"policy": "bf16"},
-        "gpt_fp8": {"policy": "fp8"},
+        "gpt_fp32": {"precision": "fp32"},
+        "gpt_bf16": {"precision": "bf16"},
+        "gpt_fp8": {"precision": "fp8"},
         "gpt_scalify": {"precision": lowtrain.train.Scalify("p=f32,c=f16")},
     }[case]
     return GptTrainer, model, options, gpt_batch

@@ -200,7 +200,9 @@ def test_gpt_fp8_delayed_run_resumes_its_scaling_state_exactly(tmp_path):
     ]
     summary = _run.run(make_config(*common, "trainer.steps=6"), tmp_path / "run")
     assert summary["precision"] == "fp8_delayed" and summary["steps"] == 6
-    resumed = make_config(*common, "trainer.resume=true")
+    resumed = make_config(
+        *common, "trainer.resume=true", "trainer.resume_allow=[trainer.steps]"
+    )
     assert _run.run(resumed, tmp_path / "run")["steps"] == 12
     _run.run(make_config(*common), tmp_path / "straight")
     last = [

@@ -48,8 +48,18 @@ def test_installed_lowtrain_finds_its_configs(tmp_path, editable):
     purelib = _run(
         python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     )
-    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
-    (pathlib.Path(purelib.strip()) / "_deps.pth").write_text("\n".join(sorted(deps)))
+    # This environment's packages but its own lowtrain (installed from a wheel, it
+    # would shadow the editable install's finder): linked one by one.
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    for site in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for entry in pathlib.Path(site).iterdir():
+            own = entry.name.startswith(("lowtrain", "__editable__")) or (
+                entry.suffix == ".pth"
+            )
+            if not own and not (deps / entry.name).exists():
+                (deps / entry.name).symlink_to(entry)
+    (pathlib.Path(purelib.strip()) / "_deps.pth").write_text(str(deps))
     install = ["-e", str(ROOT)] if editable else [str(ROOT)]
     _run(python, "-m", "pip", "install", "-q", "--no-deps", *install)
 
