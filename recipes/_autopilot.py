@@ -20,8 +20,7 @@ plan that was in effect at its checkpoint's step.
 
 The model's structure does not depend on the plan (the recipes' precisions keep a
 matmul wide at call time), so the state carries over from one plan to the next as it
-is; where a precision's state does change structure, its leaves that keep their path
-and shape carry over and the others start afresh (`carry_state`).
+is.
 
     python -m lowtrain recipe=gpt precision=fp8_naive precision.auto=true
 """
@@ -37,7 +36,6 @@ from typing import Any
 
 import hydra.utils
 import jax
-import numpy as np
 
 import lowtrain
 import lowtrain.numerics
@@ -58,28 +56,6 @@ def build_precision(precision_config, keep: Sequence[str]):
     fields.pop("name")
     fields["keep"] = list(keep)
     return hydra.utils.instantiate(fields)
-
-
-def carry_state(old: lowtrain.TrainState, new: lowtrain.TrainState):
-    """`new` (a fresh state of another structure) with every array leaf that `old`
-    has at the same path with the same shape and dtype taken from `old`: the
-    parameters and optimizer moments carry over, state that changed structure
-    starts afresh."""
-    old_leaves = {
-        jax.tree_util.keystr(p): x
-        for p, x in jax.tree_util.tree_flatten_with_path(old)[0]
-    }
-
-    def pick(path, x):
-        found = old_leaves.get(jax.tree_util.keystr(path))
-        same = (
-            found is not None
-            and np.shape(found) == np.shape(x)
-            and getattr(found, "dtype", None) == getattr(x, "dtype", None)
-        )
-        return found if same else x
-
-    return jax.tree_util.tree_map_with_path(pick, new)
 
 
 def _thresholds(config) -> dict[str, float]:
@@ -180,12 +156,7 @@ def _latest_step(checkpoint_dir) -> int | None:
     if checkpoint_dir is None:
         return None
     path = lowtrain.latest_checkpoint(checkpoint_dir)
-    if path is None:
-        return None
-    try:
-        return int(pathlib.Path(path).name.rsplit("_", 1)[-1])
-    except ValueError:
-        return None
+    return None if path is None else int(path.name.rsplit("_", 1)[1])
 
 
 def fit_auto(

@@ -55,7 +55,7 @@ def _check_auto(auto: dict) -> None:
 def _keep_rewrite(keep: Sequence[str]) -> Precision:
     # The kept matmuls as written (shadows of current-scaled casts named for the
     # numerics report), the others left to the policy.
-    return Rewrite({}, keep_scopes(list(keep), amax=True))
+    return Rewrite({}, keep_scopes(keep, amax=True))
 
 
 def scalify_fp8_op(op, lhs: Array, rhs: Array) -> Array:
@@ -100,7 +100,8 @@ def amp(
         ),
     }[kind]()
     chosen = lowtrain.get_policy(policy).with_residuals(residuals)
-    checked = (("min_dim", min_dim), ("keep", list(keep)), ("auto", auto.get("auto")))
+    shown = keep if isinstance(keep, str) else list(keep)  # a ListConfig as a list
+    checked = (("min_dim", min_dim), ("keep", shown), ("auto", auto.get("auto")))
     for name, value in checked:
         if value and "fp8" not in dict(chosen.rules).values():
             raise ValueError(

@@ -235,15 +235,6 @@ def test_every_fp8_recipe_precision_runs_its_plan(tmp_path, recipe, extra):
     assert {m.name.split("/")[-1] for m in plan.matmuls} >= {head}
 
 
-def test_carry_state_keeps_what_matches():
-    old = {"w": jnp.ones(3), "v": jnp.zeros(2)}
-    new = {"w": jnp.zeros(3), "v": jnp.ones(4), "u": jnp.ones(1)}
-    out = _autopilot.carry_state(old, new)
-    np.testing.assert_array_equal(out["w"], old["w"])  # same path and shape
-    np.testing.assert_array_equal(out["v"], new["v"])  # shape changed: afresh
-    np.testing.assert_array_equal(out["u"], new["u"])
-
-
 def test_fit_auto_refuses_a_precision_without_auto(tmp_path):
     config = _Config(_naive_config(auto=False))
     make, state = _setup(config)

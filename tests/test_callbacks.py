@@ -248,6 +248,10 @@ def test_early_stopping_modes_patience_and_delta():
     assert run([1, float("nan"), float("nan")], patience=2) == (3, 1)
     with pytest.raises(ValueError, match="mode"):
         EarlyStopping(mode="lowest")
+    with pytest.raises(ValueError, match=r"`EarlyStopping\(patience=\)` >= 1, got 0"):
+        EarlyStopping(patience=0)
+    with pytest.raises(ValueError, match=r"`BestCheckpoint\(keep=\)` >= 1, got True"):
+        BestCheckpoint(keep=True)
     with pytest.raises(KeyError, match="eval_los"):
         run([1], monitor="eval_los")
 

@@ -364,6 +364,12 @@ def test_worst_casts_ranks_casts_and_advises(getkey, tmp_path):
     plan = numerics.plan(report)
     report.plot(tmp_path / "casts.png", plan=plan)
     assert (tmp_path / "casts.png").stat().st_size > 1000
+    # A cast losing under 0.1% is ranked, with nothing to fix.
+    tiny = dict(report.rows[0])
+    tiny["underflow"] = {**tiny["underflow"], tiny["dtype"]: 5e-4}
+    tiny["overflow"] = {**tiny["overflow"], tiny["dtype"]: 0.0}
+    (only,) = numerics.worst_casts(numerics.Report([tiny], kind="casts"))
+    assert only["advice"] == "loses under 0.1%: nothing to fix"
 
 
 def test_plan_on_an_equinox_model_applied_with_keep(getkey):

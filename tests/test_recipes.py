@@ -654,8 +654,9 @@ def test_gpt_unit_fp8_keeps_the_readout_out_of_fp8():
     ]
     kept, every = fp8_dots(), fp8_dots("precision.keep=[]")
     assert every - kept == 2 and kept == 2 * 7 * 4  # the readout's two operands
-    with pytest.raises(TypeError, match="list of `jax.named_scope` names"):
-        precisions.naive_fp8("bf16", keep="projection")
+    for factory, policy in ((precisions.naive_fp8, "bf16"), (precisions.amp, "fp8")):
+        with pytest.raises(TypeError, match="list of `jax.named_scope` names"):
+            factory(policy, keep="projection")  # one string, not a list
 
 
 def test_mnist_unit_fp8_composes():

@@ -41,14 +41,14 @@ def _range(fmt: str) -> tuple[float, float, float]:
 def plot_report(report, path, fmt: str, plan=None) -> None:
     """Write `report`'s scale plot as a PNG to `path` (see `Report.plot`)."""
     sites = [r for r in report.rows if r.get("site") and r["site"]["role"] in _ROLES]
-    if report.kind == "casts" and sites:
-        _plot_casts(report, path, plan)
+    if report.kind == "casts" and sites:  # else scalify's own casts: program order
+        _plot_casts(sites, path, plan)
     else:
         _plot_all(report, path, fmt)
 
 
-def _plot_casts(report, path, plan) -> None:
-    rows = [r for r in report.rows if r.get("site") and r["site"]["role"] in _ROLES]
+def _plot_casts(rows, path, plan) -> None:
+    # `rows`: the casts of matmuls (with a site and a role).
     wide = set()
     if plan is not None:
         wide = {m.key for m in plan.matmuls if m.decision == "wide"}

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from ._checkpoint import checkpoint_extra, list_checkpoints, save_checkpoint
+from ._hooks import positive_int
 
 if TYPE_CHECKING:
     from ._hooks import StepInfo
@@ -145,11 +146,7 @@ def check_callbacks(callbacks) -> list[Callback]:
                 "instead. For a plain function use `trainer.add_hook(fn, every=N)`."
             )
         every = getattr(c, "every", 1)
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(
-                f"Expected `every` >= 1 on callback {type(c).__name__}, got "
-                f"{every!r} instead."
-            )
+        positive_int(every, f"{type(c).__name__}.every", optional=False)
     return callbacks
 
 
@@ -205,11 +202,7 @@ class EarlyStopping(Callback):
         min_delta: float = 0.0,
     ):
         _check_mode(mode, "EarlyStopping")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(
-                f"EarlyStopping: expected an int `patience` >= 1, got {patience!r} "
-                "instead."
-            )
+        positive_int(patience, "EarlyStopping(patience=)", optional=False)
         if not (isinstance(min_delta, int | float) and min_delta >= 0):
             raise ValueError(
                 f"EarlyStopping: expected `min_delta` >= 0, got {min_delta!r} instead."
@@ -290,10 +283,7 @@ class BestCheckpoint(Callback):
         directory=None,
     ):
         _check_mode(mode, "BestCheckpoint")
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(
-                f"BestCheckpoint: expected an int `keep` >= 1, got {keep!r} instead."
-            )
+        positive_int(keep, "BestCheckpoint(keep=)", optional=False)
         self.monitor, self.mode, self.keep = monitor, mode, keep
         self._given = None if directory is None else pathlib.Path(directory)
         self.directory: pathlib.Path | None = self._given
@@ -327,8 +317,7 @@ class BestCheckpoint(Callback):
         save_checkpoint(path, info.state, extra={_BEST: extra})
         self.kept = [k for k in self.kept if k[2] != path]
         self.kept.append((value, info.step, path))
-        sign = 1 if self.mode == "min" else -1
-        self.kept.sort(key=lambda k: (sign * k[0], -k[1]))
+        self.kept.sort(key=_rank_key(self.mode))
         for _, _, old in self.kept[self.keep :]:
             if jax.process_index() == 0:
                 shutil.rmtree(old, ignore_errors=True)
@@ -344,8 +333,13 @@ def _ranked(directory: pathlib.Path, mode: str) -> list:
         extra = checkpoint_extra(path).get(_BEST)
         if extra is not None:
             found.append((float(extra["value"]), step, path))
+    return sorted(found, key=_rank_key(mode))
+
+
+def _rank_key(mode: str):
+    # (value, step, path) best first: by value in `mode`, ties to the newest step.
     sign = 1 if mode == "min" else -1
-    return sorted(found, key=lambda k: (sign * k[0], -k[1]))
+    return lambda k: (sign * k[0], -k[1])
 
 
 def best_checkpoint(directory) -> pathlib.Path | None:

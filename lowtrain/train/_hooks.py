@@ -110,6 +110,15 @@ class StepInfo(eqx.Module):
         return bool(self._stop)
 
 
+def positive_int(value, what: str, *, optional: bool = True) -> int | None:
+    """`value` checked to be an int >= 1 (a bool is not), or None when `optional`."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Expected an int `{what}` >= 1, got {value!r} instead.")
+    return value
+
+
 class Hook(NamedTuple):
     fn: Callable[[StepInfo], Any]
     every: int

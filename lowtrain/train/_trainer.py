@@ -34,7 +34,7 @@ from ._checkpoint import (
 )
 from ._data import restore_data_position, with_data_position
 from ._finite import skip_nonfinite
-from ._hooks import Hook, StepInfo
+from ._hooks import Hook, StepInfo, positive_int
 from ._jit import async_filter_jit
 from ._metrics import LearningRates, global_norm
 from ._numerics import NumericsRecorder
@@ -159,7 +159,7 @@ class Trainer:
         if stop_on_nonfinite is None:
             stop_on_nonfinite = isinstance(loss_scale, NoOpLossScale)
         self.stop_on_nonfinite = bool(stop_on_nonfinite)
-        self.max_consecutive_skips = _positive_int(
+        self.max_consecutive_skips = positive_int(
             max_consecutive_skips, "max_consecutive_skips"
         )
         self.learning_rate = learning_rate
@@ -265,9 +265,7 @@ class Trainer:
         `info.step % every == 0`, during `fit`. Hooks run in the order added."""
         if not callable(fn):
             raise TypeError(f"Expected a callable hook, got {fn!r} instead.")
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(f"Expected an int `every` >= 1, got {every!r} instead.")
-        self.hooks.append(Hook(fn, every))
+        self.hooks.append(Hook(fn, positive_int(every, "every", optional=False)))
 
     def _check_health(self, step: int, health, min_scale) -> None:
         # `health` of the update from `state.step == step` (see `train_step`).
@@ -594,14 +592,6 @@ class Trainer:
             c.on_checkpoint(self, info, path)
 
 
-def _positive_int(value, what: str, *, optional: bool = True) -> int | None:
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Expected an int `{what}` >= 1, got {value!r} instead.")
-    return value
-
-
 def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:
     """The `Trainer` constructor's checks of its class (`no_loss`: it does not
     define `loss`) and of its optimizer."""
@@ -726,12 +716,12 @@ def plan_fit(
                 "`lowtrain.ArrayBatches`) to train for `epochs`, got "
                 f"{type(data).__name__} instead. Pass `steps=` instead."
             )
-        steps = _positive_int(epochs, "epochs") * per_epoch
-    total = _positive_int(steps, "steps", optional=False)
-    log_every = _positive_int(log_every, "log_every")
-    eval_every = _positive_int(eval_every, "eval_every")
-    checkpoint_every = _positive_int(checkpoint_every, "checkpoint_every")
-    keep_checkpoints = _positive_int(keep_checkpoints, "keep_checkpoints")
+        steps = positive_int(epochs, "epochs") * per_epoch
+    total = positive_int(steps, "steps", optional=False)
+    log_every = positive_int(log_every, "log_every")
+    eval_every = positive_int(eval_every, "eval_every")
+    checkpoint_every = positive_int(checkpoint_every, "checkpoint_every")
+    keep_checkpoints = positive_int(keep_checkpoints, "keep_checkpoints")
     if eval_every and eval_data is None:
         raise ValueError("Expected `eval_data` with `eval_every`, got None instead.")
     if resume not in (True, False, "auto"):

@@ -67,35 +67,42 @@ def _alternate(fns: dict, steps: int, rounds: int) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def every_tensor(case, steps: int, rounds: int) -> dict:
-    """The float32 step tracked in full against the plain one."""
-    opt = optax.adam(1e-3)
-    step = timing.make_step(models.loss, opt)
-    tracked = lowtrain.numerics.track(step)
-    plain = eqx.filter_jit(step)
-    state = (case.model, opt.init(eqx.filter(case.model, eqx.is_inexact_array)))
+def _compare(label, plain, tracked, fn, args, casts, steps, rounds) -> dict:
+    # `plain(*args)` (jitted) against `tracked(*args)` (`fn` tracked): compile
+    # times first, then interleaved timings; the report's row count.
     rows = []
 
     def run_tracked():
-        _, report_ = tracked(*state, *case.batch)
+        _, report_ = tracked(*args)
         rows.append(len(report_.rows))
 
     def run_plain():
-        jax.block_until_ready(plain(*state, *case.batch))
+        jax.block_until_ready(plain(*args))
 
     with jax.numpy_dtype_promotion("standard"):
-        compile_plain = _compile_seconds(plain, *state, *case.batch)
-        compile_tracked = _compile_seconds(
-            _tracked_call, step, (*state, *case.batch), {}, False
-        )
+        compile_plain = _compile_seconds(plain, *args)
+        compile_tracked = _compile_seconds(_tracked_call, fn, args, {}, casts)
         times = _alternate({"plain": run_plain, "tracked": run_tracked}, steps, rounds)
     return {
-        "step": f"{case.name}, float32, every tensor",
+        "step": label,
         "plain": times["plain"],
         "tracked": times["tracked"],
         "rows": rows[-1],
         "compile": (compile_plain, compile_tracked),
     }
+
+
+def every_tensor(case, steps: int, rounds: int) -> dict:
+    """The float32 step tracked in full against the plain one."""
+    opt = optax.adam(1e-3)
+    step = timing.make_step(models.loss, opt)
+    state = (case.model, opt.init(eqx.filter(case.model, eqx.is_inexact_array)))
+    label = f"{case.name}, float32, every tensor"
+    tracked = lowtrain.numerics.track(step)
+    args = (*state, *case.batch)
+    return _compare(
+        label, eqx.filter_jit(step), tracked, step, args, False, steps, rounds
+    )
 
 
 def casts(case, name: str, steps: int, rounds: int) -> dict:
@@ -113,26 +120,8 @@ def casts(case, name: str, steps: int, rounds: int) -> dict:
     tracked = lowtrain.numerics.track(fn, casts=True)
     step = trainer.precision.wrap_step(lambda b, s: trainer.train_step(s, b))
     plain = eqx.filter_jit(step)  # not donating: the state is reused
-    rows = []
-
-    def run_tracked():
-        _, report_ = tracked(batch, state)
-        rows.append(len(report_.rows))
-
-    def run_plain():
-        jax.block_until_ready(plain(batch, state))
-
-    with jax.numpy_dtype_promotion("standard"):
-        compile_plain = _compile_seconds(plain, batch, state)
-        compile_tracked = _compile_seconds(_tracked_call, fn, (batch, state), {}, True)
-        times = _alternate({"plain": run_plain, "tracked": run_tracked}, steps, rounds)
-    return {
-        "step": f"{case.name}, {name}, casts",
-        "plain": times["plain"],
-        "tracked": times["tracked"],
-        "rows": rows[-1],
-        "compile": (compile_plain, compile_tracked),
-    }
+    label = f"{case.name}, {name}, casts"
+    return _compare(label, plain, tracked, fn, (batch, state), True, steps, rounds)
 
 
 def main(argv=None) -> None:
