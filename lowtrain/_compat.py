@@ -385,3 +385,13 @@ def current_vmap() -> VmapFrame | None:
     if data.spmd_name is not None or getattr(data, "_ema", None) is not None:
         return None
     return VmapFrame(trace)
+
+
+# JAX 0.10 to 0.12: `xla_bridge.backends_are_initialized()` says whether a backend
+# (CPU, GPU) was made; XLA reads `XLA_FLAGS` once, when the first one is.
+from jax._src.xla_bridge import backends_are_initialized as _backends_initialized  # noqa: E402
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has made its backends (and so read `XLA_FLAGS`) in this process."""
+    return _backends_initialized()

@@ -48,6 +48,10 @@ FREE_ON_RESUME = (
     "trainer.early_stopping",
     "trainer.min_delta",
     "trainer.keep_best",
+    "trainer.compile_cache",
+    # Which kernels run the GEMMs, not what they compute (XLA's autotuner can pick
+    # other kernels at any launch anyway).
+    "trainer.triton_gemm",
     "mode",
     "checkpoint",
     "sample",

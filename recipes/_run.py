@@ -85,6 +85,20 @@ def launch_records(out: pathlib.Path, cfg: DictConfig) -> None:
         (out / "config.yaml").write_text(text)
 
 
+def compile_options(config: Config) -> None:
+    """How this launch compiles: XLA's GEMM kernels (`trainer.triton_gemm`), then
+    JAX's persistent compilation cache (`trainer.compile_cache`)."""
+    t = config.trainer
+    if not lowtrain.train.use_triton_gemm(t.triton_gemm):
+        log.info(
+            "trainer.triton_gemm=%s not applied: XLA_FLAGS sets it, or JAX had "
+            "started its backends before the run",
+            t.triton_gemm,
+        )
+    folder = lowtrain.train.use_compilation_cache(t.compile_cache)
+    log.info("compilation cache: %s", folder or "off")
+
+
 def run(cfg: DictConfig, output_dir) -> dict:
     """Train the recipe `cfg` names; write everything to `output_dir`; return the
     summary (also in `output_dir/summary.json`).
@@ -94,6 +108,7 @@ def run(cfg: DictConfig, output_dir) -> dict:
     0's `output_dir` (see `_distributed.py`); process 0 alone writes the config,
     metrics, plots and summary."""
     config = check(cfg)
+    compile_options(config)  # before JAX uses a device: XLA reads its flags then
     _distributed.initialize(config.distributed)  # before any JAX computation
     task = load_task(config.task)
     if config.mode != "train":

@@ -47,6 +47,8 @@ it (`scripts/benchlib/throughput.py`) and its compiled step is timed:
 
 Other measurements are commands (`python scripts/bench.py COMMAND --help`):
 
+- `launch`: the step's compile at a program's first launch (an empty persistent
+  compilation cache) and at its second (`benchlib/launch.py`);
 - `gemm`: where an FP8 GEMM pays: one linear layer's forward and backward at
   widths 256 to 8192, in bf16 and FP8 (current and static scaling), with the
   break-even width (`benchlib/gemm.py`);
@@ -94,6 +96,7 @@ from benchlib import (
     amp_hand,
     benchtable,
     gemm,
+    launch,
     numerics_step,
     overhead,
     report,
@@ -105,6 +108,8 @@ from benchlib import (
     unit_step,
     vmap_cost,
 )
+
+from lowtrain.train import use_compilation_cache, use_triton_gemm
 
 PRECISIONS = list(throughput.RECIPES)
 MODELS = ["gpt", "gpt_small", "gpt_1b", "gpt_4k"]
@@ -145,6 +150,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--save-hlo", default=None, help="folder for each step's optimized HLO text"
     )
+    parser.add_argument(
+        "--compile-cache",
+        default="default",
+        help="JAX's persistent compilation cache: a folder, `default` (as "
+        "`python -m lowtrain`: lowtrain.train.default_compilation_cache()) or `off`",
+    )
+    throughput.add_triton_gemm_argument(parser)
     throughput.add_set_argument(parser, "case", "precision.residuals=half")
     args = parser.parse_args(argv)
     args.models = args.models.split(",")
@@ -246,7 +258,8 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
             *("--overhead-rounds", str(args.overhead_rounds)),
             *(["--batch-size", str(args.batch_size)] if args.batch_size else []),
             *(["--save-hlo", args.save_hlo] if args.save_hlo else []),
-            *("--hand", args.hand),
+            *("--hand", args.hand, "--compile-cache", args.compile_cache),
+            *("--triton-gemm", args.triton_gemm),
             *(arg for override in args.set for arg in ("--set", override)),
         ]
         child = subprocess.run(command, stdout=sys.stderr, stderr=subprocess.PIPE)
@@ -262,6 +275,10 @@ def measure_isolated(model_name: str, precision: str, args) -> dict:
 def step_main(argv=None) -> None:
     """The step benchmark (the default command): see the module docstring."""
     args = parse_args(argv)
+    use_triton_gemm(args.triton_gemm == "on")  # before JAX first uses the device
+    # As `python -m lowtrain` launches: a step compiled before is read from the
+    # cache (the compile column then times the read; `bench.py launch` times both).
+    use_compilation_cache(args.compile_cache)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     gpu = jax.default_backend() == "gpu"
@@ -299,6 +316,7 @@ def step_main(argv=None) -> None:
 # `main(argv)` and the docstring that says what it measures.
 COMMANDS = {
     "gemm": gemm,
+    "launch": launch,
     "vmap": vmap_cost,
     "amp": amp_hand,
     "scalify": scalify_step,

@@ -22,20 +22,23 @@ last line names the stages not run, to pass as `--stages` to the next call. The
 stages, in order (`--list` prints them with their time estimates on an H100):
 
 - `env`: the GPU, the driver, JAX and the libraries' versions;
-- `small_bf16`: gpt_small in bf16 at batch 32 with the lean cross-entropy: MFU and
-  lowtrain / hand;
+- `small_bf16`: gpt_small in bf16 at batch 32 (layers unrolled, the lean
+  cross-entropy, cuBLAS GEMMs: the defaults): MFU and lowtrain / hand;
+- `profile_bf16`: `scripts/profile_step.py` on gpt_small's bf16 step, its device
+  ops by name (where the MFU goes);
+- `launch`: `bench.py launch`, the first and second launch's compile of gpt_small
+  in bf16 and fp8 (the persistent compilation cache);
 - `big_1b`, `big_4k`: gpt_1b and gpt_4k in bf16, fp8 and unit_fp8 (FP8 against
   bf16 where the GEMMs are large);
 - `small_fp8`: gpt_small in fp8 and unit_fp8 (their optimized HLO kept);
+  `small_fp8_triton`: fp8 with XLA's Triton GEMMs, against it;
 - `gemm`: `bench.py gemm`, one linear layer's GEMMs in bf16 and FP8 by width (the
   break-even width);
-- `profile_bf16`: `scripts/profile_step.py` on gpt_small's bf16 step, its device
-  ops by name;
 - `delayed`: fp8_delayed at gpt_small and gpt_1b (HLO kept: does any pass read a
   tensor only for its amax);
-- `gpu_tests`: `pytest -m gpu`;
-- `small_unrolled`: gpt_small bf16 with its layers unrolled, against the scanned
-  row.
+- `small_scanned`: gpt_small bf16 with its layers under `lax.scan`, against
+  `small_bf16`;
+- `gpu_tests`: `pytest -m gpu`.
 """
 
 from __future__ import annotations
@@ -95,14 +98,35 @@ STAGES = [
         _models("gpt_small", "bf16"),
         30,
         40,
-        "gpt_small bf16 at batch 32, lean cross-entropy: MFU (45%), lowtrain / hand",
+        "gpt_small bf16 at batch 32, lean cross-entropy: MFU (40%), lowtrain / hand",
+    ),
+    Stage(
+        "profile_bf16",
+        (
+            *("python3", "scripts/profile_step.py", "--model", "gpt_small"),
+            # The trace stays on the machine: the ops' table is what comes back.
+            *("--precision", "bf16", "--top", "30", "--out", "/tmp/profile_bf16"),
+        ),
+        60,
+        70,
+        "where gpt_small's bf16 step spends its time (the MFU target)",
+    ),
+    Stage(
+        "launch",
+        (
+            *("python3", "scripts/bench.py", "launch", "--model", "gpt_small"),
+            *("--precisions", "bf16,fp8", "--out", "{work}"),
+        ),
+        30,
+        60,
+        "first and second launch's compile, bf16 and fp8 gpt_small (15 s; 3x bf16)",
     ),
     Stage(
         "big_1b",
         _models("gpt_1b", "bf16,fp8,unit_fp8"),
         90,
-        220,
-        "gpt_1b (width 2048): best FP8 / bf16 (1.25x), bf16 MFU (55%)",
+        200,
+        "gpt_1b (width 2048): best FP8 / bf16 (1.25x), bf16 MFU (50%)",
     ),
     Stage(
         "big_4k",
@@ -115,8 +139,15 @@ STAGES = [
         "small_fp8",
         _models("gpt_small", "fp8,unit_fp8", "--hand", "no", "--save-hlo", "{work}"),
         60,
-        150,
+        120,
         "gpt_small: best FP8 / bf16 (1.05x), unit_fp8's FP8 GEMMs",
+    ),
+    Stage(
+        "small_fp8_triton",
+        _models("gpt_small", "fp8", "--hand", "no", "--triton-gemm", "on"),
+        60,
+        150,
+        "gpt_small fp8 with XLA's Triton GEMMs (its default) against small_fp8's row",
     ),
     Stage(
         "gemm",
@@ -124,17 +155,6 @@ STAGES = [
         30,
         40,
         "one linear layer's GEMMs in bf16 and FP8 by width: FP8's break-even",
-    ),
-    Stage(
-        "profile_bf16",
-        (
-            *("python3", "scripts/profile_step.py", "--model", "gpt_small"),
-            # The trace stays on the machine: the ops' table is what comes back.
-            *("--precision", "bf16", "--out", "/tmp/profile_bf16"),
-        ),
-        60,
-        70,
-        "where gpt_small's bf16 step spends its time (the MFU target)",
     ),
     Stage(
         "delayed",
@@ -147,18 +167,18 @@ STAGES = [
         "fp8_delayed at gpt_small and gpt_1b",
     ),
     Stage(
+        "small_scanned",
+        _models("gpt_small", "bf16", "--hand", "no", "--set", "model.scan_layers=true"),
+        30,
+        40,
+        "gpt_small bf16 with its layers under lax.scan, against small_bf16's row",
+    ),
+    Stage(
         "gpu_tests",
         ("python3", "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"),
         40,
         45,
         "pytest -m gpu",
-    ),
-    Stage(
-        "small_unrolled",
-        _models("gpt_small", "bf16", "--set", "model.scan_layers=false"),
-        40,
-        50,
-        "gpt_small bf16, layers unrolled, against the scanned row",
     ),
 ]
 BY_NAME = {stage.name: stage for stage in STAGES}
@@ -261,8 +281,9 @@ def report_environment() -> None:
 def _result(work: pathlib.Path, output: str) -> str:
     """The part of a finished stage that goes into summary.md: its bench table, else
     the end of what it printed."""
-    if (work / "bench.md").is_file():
-        return (work / "bench.md").read_text()
+    for name in ("bench.md", "launch.md", "gemm.md"):
+        if (work / name).is_file():
+            return (work / name).read_text()
     lines = output.strip().splitlines()
     return "```\n" + "\n".join(lines[-40:]) + "\n```"
 

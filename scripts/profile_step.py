@@ -1,6 +1,7 @@
 """Where one of `scripts/bench.py`'s steps spends its device time.
 
     python scripts/profile_step.py --model gpt_small --precision bf16
+    python scripts/profile_step.py --set model.scan_layers=true --triton-gemm on
 
 Builds the bench's case (the recipe's Trainer at that size, synthetic tokens), runs
 three warm-up steps, traces `--steps` more with `jax.profiler`, and prints the device
@@ -20,6 +21,8 @@ import sys
 
 import jax
 from benchlib import throughput
+
+from lowtrain.train import use_triton_gemm
 
 GEMM_MARKS = ("gemm", "cublas", "matmul", "xmma", "cutlass", "sm90")
 
@@ -56,13 +59,16 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default="profile_out")
+    throughput.add_triton_gemm_argument(parser)
+    throughput.add_set_argument(parser, "profile", "model.scan_layers=true")
     args = parser.parse_args(argv)
+    use_triton_gemm(args.triton_gemm == "on")  # before JAX first uses the device
     if jax.default_backend() != "gpu":
         sys.exit(
             f"Expected a GPU backend (the device ops are read from GPU events), got "
             f"{jax.default_backend()!r}. Run it where `jax.devices()` lists a GPU."
         )
-    case = throughput.make_case(args.model, args.precision, None)
+    case = throughput.make_case(args.model, args.precision, None, args.set)
     data = throughput.synthetic_data(case)
     fn, state = throughput.lowtrain_step(case)
     batch = jax.device_put(data(0))

@@ -1,5 +1,12 @@
+import os
+
 import jax
 import pytest
+
+# The CLI turns JAX's persistent compilation cache on by default; the suite's launches
+# (its processes and their children) leave the user's cache alone.
+# tests/test_compilation.py turns it on where it is the subject.
+os.environ.setdefault("LOWTRAIN_COMPILE_CACHE", "off")
 
 # As in Equinox's own test suite: any silent promotion or broadcasting is a bug.
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -102,7 +102,7 @@ def test_bench_judges_the_targets(monkeypatch):
         # Another model (more FLOPs per step): judged by FLOPs per second.
         row("unit_fp8", 110.0, flops=1.2e15, gemms=34),
         {"model": "gpt_small", "precision": "unit_bf16", "error": "exit 1: OOM"},
-        row("bf16", 300.0, mfu=0.5, model="gpt_1b"),
+        row("bf16", 300.0, mfu=0.48, model="gpt_1b"),
         row("fp8", 230.0, model="gpt_1b"),
         row("unit_fp8", 250.0, model="gpt_1b", gemms=30),
         {**row("fp16", 3.56, 1.055, model="gpt"), "overhead": {"ratio": 1.187}},
@@ -123,7 +123,7 @@ def test_bench_judges_the_targets(monkeypatch):
             "met",
         ),
         "unit_fp8: every matmul not kept wide an FP8 GEMM": ("100%", None, "met"),
-        "bf16 MFU >= 45%": ("12.3%", None, "missed"),
+        "bf16 MFU >= 40%": ("12.3%", None, "missed"),
         "peak memory of bf16 <= 0.6x fp32": ("0.78x", None, "missed"),
         "lowtrain within 1.03x of its hand-cast twin": ("1.002", "fp32", "met"),
     }
@@ -132,7 +132,7 @@ def test_bench_judges_the_targets(monkeypatch):
         "best FP8 step >= 1.25x bf16": ("1.30x", "fp8", "met"),
         "unit_fp8 / unit_bf16 >= best other FP8 / bf16": ("0.92", None, "missed"),
         "unit_fp8: every matmul not kept wide an FP8 GEMM": ("88%", None, "missed"),
-        "bf16 MFU >= 55%": ("50.0%", None, "missed"),
+        "bf16 MFU >= 50%": ("48.0%", None, "missed"),
         "lowtrain within 1.03x of its hand-cast twin": ("–", None, "not measured"),
     }
     gpt = {k[1]: v for k, v in got.items() if k[0] == "gpt"}

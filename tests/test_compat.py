@@ -147,3 +147,19 @@ def test_custom_vjp_backward_gives_one_cotangent_per_primal():
     expected = jax.grad(loss, (0, 1, 2))
     for a, b in zip(grad(x, x + 1, x), expected(x, x + 1, x)):
         np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-2)
+
+
+def test_backends_initialized_turns_true_at_the_first_device_use():
+    # XLA reads XLA_FLAGS when the first backend is made: `use_triton_gemm` relies on
+    # knowing whether that has happened (a fresh process: before, then after).
+    import subprocess
+    import sys
+
+    code = (
+        "from lowtrain import _compat; import jax.numpy as jnp; "
+        "before = _compat.backends_initialized(); jnp.ones(2).block_until_ready(); "
+        "print(before, _compat.backends_initialized())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]

@@ -90,7 +90,8 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
     from benchlib import throughput
 
     stages = session.BY_NAME
-    assert list(stages)[:4] == ["env", "small_bf16", "big_1b", "big_4k"]
+    # Priority order: bf16's MFU and where its time goes, launch time, the big models.
+    assert list(stages)[:5] == ["env", "small_bf16", "profile_bf16", "launch", "big_1b"]
     for stage in session.STAGES:
         argv = [a.replace("{work}", "/tmp/x") for a in stage.argv]
         assert argv[0] == "python3"
@@ -109,11 +110,16 @@ def test_the_real_stages_call_what_exists(session, monkeypatch):
             assert argv[1:3] in (["scripts/gpu_session.py", "--env"], ["-m", "pytest"])
     big = bench.parse_args(stages["big_1b"].argv[2:])
     assert big.models == ["gpt_1b"] and big.precisions == ["bf16", "fp8", "unit_fp8"]
+    assert big.triton_gemm == "off"  # the CLI's default
+    launch = stages["launch"].argv
+    assert launch[2] == "launch" and "bf16,fp8" in launch
+    triton = bench.parse_args(stages["small_fp8_triton"].argv[2:])
+    assert triton.triton_gemm == "on" and triton.precisions == ["fp8"]
     fp8 = bench.parse_args(stages["small_fp8"].argv[2:])
     assert fp8.hand == "no" and fp8.save_hlo == "{work}"
     assert stages["gemm"].argv[2] in bench.COMMANDS
-    unrolled = bench.parse_args(stages["small_unrolled"].argv[2:])
-    assert unrolled.set == ["model.scan_layers=false"]
+    scanned = bench.parse_args(stages["small_scanned"].argv[2:])
+    assert scanned.set == ["model.scan_layers=true"]
 
 
 def test_bad_arguments_say_what_was_expected(session, tmp_path, capsys):

@@ -584,7 +584,7 @@ def test_gpt_small_has_gpt2_smalls_shape():
     config = _run.to_config(make_config("recipe=gpt", "model=gpt_small"))
     m = config.model
     assert (m.n_layer, m.n_head, m.n_embd, m.block_size) == (12, 12, 768, 1024)
-    assert (m.vocab_size, m.dropout, m.scan_layers) == (50304, 0.0, True)
+    assert (m.vocab_size, m.dropout, m.scan_layers) == (50304, 0.0, False)
     # 124M parameters with GPT-2's shape (the embedding tied to the head), counted
     # on shapes only: nothing is allocated.
     model = jax.eval_shape(lambda: gpt.build_model(m, 65, key=jax.random.key(0))[0])

@@ -11,6 +11,9 @@ from ._checkpoint import checkpoint_extra as checkpoint_extra
 from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import save_checkpoint as save_checkpoint
+from ._compilation import default_compilation_cache as default_compilation_cache
+from ._compilation import use_compilation_cache as use_compilation_cache
+from ._compilation import use_triton_gemm as use_triton_gemm
 from ._data import ArrayBatches as ArrayBatches
 from ._data import from_grain as from_grain
 from ._data import from_iterable as from_iterable

@@ -7,7 +7,7 @@
   mixed precision written by hand (casts at the matmuls);
 - `unit_twin`: the unit-scaled GPT (`model=gpt_unit`) with its mixed precision and
   FP8 matmuls written by hand, the twin of the unit_bf16, unit_fp16, unit_fp8 rows;
-- the commands of `bench.py COMMAND`: `gemm`, `vmap_cost`, `amp_hand`,
+- the commands of `bench.py COMMAND`: `gemm`, `launch`, `vmap_cost`, `amp_hand`,
   `scalify_step`, `unit_step`, `numerics_step`, `twin_hlo`, `saved_bytes`;
 - `timing`: train steps, interleaved step timing and cold trace/compile timing;
 - `residuals`: the residuals reverse-mode AD saves, traced to what produces them;

@@ -184,6 +184,17 @@ def add_set_argument(parser, what: str, example: str) -> None:
     )
 
 
+def add_triton_gemm_argument(parser) -> None:
+    """`--triton-gemm on|off`: XLA's Triton GEMM fusions on a GPU, as
+    `trainer.triton_gemm` (default off: cuBLAS GEMMs, as `python -m lowtrain`)."""
+    parser.add_argument(
+        "--triton-gemm",
+        choices=["on", "off"],
+        default="off",
+        help="XLA's Triton GEMM fusions on a GPU (off: cuBLAS only, the CLI's default)",
+    )
+
+
 def compose_config(recipe: str, overrides: list[str]):
     """The recipe's composed config (`DictConfig`) and its checked `Config`."""
     with initialize_config_module("lowtrain.conf", version_base="1.3"):
