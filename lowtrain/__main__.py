@@ -3,6 +3,7 @@
     python -m lowtrain                                   # recipe=mnist_fp8
     python -m lowtrain recipe=gpt_fp16 trainer.steps=200 optimizer.lr=3e-3
     python -m lowtrain -m recipe=mnist precision=fp32,bf16,fp16,fp8
+    python -m lowtrain recipe=mnist -m precision=fp32,bf16   # -m anywhere: a sweep
 
 The configs are in `conf/` (installed as `lowtrain.conf`), their types in
 `lowtrain/recipes/_config.py`, the code in `lowtrain/recipes/`. See the "Recipes
@@ -21,6 +22,28 @@ from omegaconf import DictConfig
 from lowtrain.recipes import _config, _run
 
 _config.register()
+
+_MULTIRUN = ("-m", "--multirun")
+
+
+def _multirun_first(argv: list[str]) -> list[str]:
+    """`argv` (as `sys.argv`: the program, then its arguments) with every standalone
+    `-m` / `--multirun` moved to the front of the arguments, the rest in order, so
+    that a sweep's flag may stand anywhere among the overrides. An override that
+    holds `-m` in its value (`x=-m`) is one argument, not the flag: it stays.
+
+        >>> _multirun_first(["lowtrain", "recipe=mnist", "-m", "precision=fp32,bf16"])
+        ['lowtrain', '-m', 'recipe=mnist', 'precision=fp32,bf16']
+    """
+    program, args = argv[:1], argv[1:]
+    # Hydra's argparse reads the overrides as one positional run (`nargs="*"`): a
+    # flag between two overrides ends the run, and the overrides after it are
+    # "unrecognized arguments". After `--` argparse reads everything as positional:
+    # what stands there stays there.
+    end = args.index("--") if "--" in args else len(args)
+    flags = [a for a in args[:end] if a in _MULTIRUN]
+    rest = [a for a in args[:end] if a not in _MULTIRUN]
+    return [*program, *flags, *rest, *args[end:]]
 
 
 def _remove_if_new(folder: pathlib.Path) -> None:
@@ -59,4 +82,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    sys.argv = _multirun_first(sys.argv)  # Hydra parses `sys.argv` in `main`
     main()

@@ -220,22 +220,28 @@ def custom_vmap_body(params: dict[str, Any]) -> ClosedJaxpr:
     return call if isinstance(call, ClosedJaxpr) else ClosedJaxpr(call, ())
 
 
-def custom_jvp_rule_jaxpr(params: dict[str, Any], num_args: int) -> tuple:
-    """The JVP rule of a `custom_jvp_call` as `(closed_jaxpr, out_zeros)`.
+def custom_jvp_rule_jaxpr(
+    params: dict[str, Any], num_args: int, zeros: Sequence[bool] | None = None
+) -> tuple:
+    """The JVP rule of a `custom_jvp_call` as `(closed_jaxpr, out_zeros)`, traced for
+    tangents of which `zeros` say which are symbolic zeros (default: none).
 
-    The jaxpr takes `(*primals, *tangents)` (constants excluded, every tangent
-    instantiated) and returns `(*primal_outs, *nonzero_tangent_outs)`.
+    The jaxpr takes `(*primals, *nonzero_tangents)` (constants excluded) and returns
+    `(*primal_outs, *nonzero_tangent_outs)`.
     """
     # JAX 0.10 to 0.12: `jvp_jaxpr_fun` is a `lu.WrappedFun` taking one "is symbolic
-    # zero" flag per primal and returning (jaxpr, consts, out_zeros).
-    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
-        *([False] * num_args)
-    )
+    # zero" flag per primal and returning (jaxpr, consts, out_zeros); the jaxpr takes
+    # the primals and the tangents that are not symbolic zeros (`lift_jvp`).
+    zeros = [False] * num_args if zeros is None else [bool(z) for z in zeros]
+    jaxpr, consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(*zeros)
     return ClosedJaxpr(jaxpr, consts), tuple(out_zeros)
 
 
-def custom_vjp_rule_parts(params: dict[str, Any], num_args: int) -> tuple:
-    """The forward and backward rules of a `custom_vjp_call`.
+def custom_vjp_rule_parts(
+    params: dict[str, Any], num_args: int, nonzeros: Sequence[bool] | None = None
+) -> tuple:
+    """The forward and backward rules of a `custom_vjp_call`, the forward traced for
+    primals of which `nonzeros` say which are perturbed (default: all).
 
     Returns `(fwd_jaxpr, res_forwards, bwd)`: `fwd_jaxpr` maps the primals (constants
     excluded) to `(*residuals, *primal_outs)`, where the residuals that are just
@@ -246,7 +252,8 @@ def custom_vjp_rule_parts(params: dict[str, Any], num_args: int) -> tuple:
     # JAX 0.10 to 0.12: `fwd_jaxpr_thunk` is a `lu.WrappedFun` taking one "is nonzero"
     # flag per primal; `out_trees()` returns (out_tree, res_tree, input_forwards) once
     # the forward has been traced; `bwd` is a `lu.WrappedFun` over flat arguments.
-    jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*([True] * num_args))
+    nonzeros = [True] * num_args if nonzeros is None else [bool(z) for z in nonzeros]
+    jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*nonzeros)
     _, _, res_forwards = params["out_trees"]()
     bwd_fun = params["bwd"]
     # JAX 0.10: `bwd` returns the flat cotangents. JAX 0.11, 0.12: it returns the pair

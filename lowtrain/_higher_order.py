@@ -20,7 +20,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+import numpy as np
+from jax import dtypes, lax
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from . import _compat
 from ._eqn import Eqn, type_of
@@ -138,33 +140,67 @@ def _cond_rule(interp, eqn: Eqn, index, *ops):
     return list(lax.switch(index, [typed(r) for r in runs], *ops))
 
 
+def _lazy(make):
+    # Values made on first use and kept, one per key: a custom rule is traced (and
+    # transformed) only when JAX asks for it, as JAX itself calls a rule only where
+    # a tangent reaches the function (`eqx.internal.nondifferentiable`'s rule raises
+    # if called), and for the inputs JAX says are perturbed.
+    made = {}
+
+    def get(*key):
+        if key not in made:
+            made[key] = make(*key)
+        return made[key]
+
+    return get
+
+
 def _custom_jvp_rule(interp, eqn: Eqn, *args):
     p, values = eqn.params, interp.values
     n = p["num_consts"]
     consts, primals = args[:n], args[n:]
     run = _sub(interp, p["call_jaxpr"], eqn.scopes)
-    jvp_jaxpr, out_zeros = _compat.custom_jvp_rule_jaxpr(p, len(primals))
-    run_jvp = _sub(interp, jvp_jaxpr, eqn.scopes)
+
+    @_lazy
+    def jvp_rule(zeros):  # traced when differentiated, for those tangents
+        jvp_jaxpr, out_zeros = _compat.custom_jvp_rule_jaxpr(p, len(primals), zeros)
+        return _sub(interp, jvp_jaxpr, eqn.scopes), out_zeros
 
     @jax.custom_jvp
     def fn(*xs):
         return run([*consts, *xs])
 
-    @fn.defjvp
     def fn_jvp(xs, ts):
+        # Symbolic zeros: the user's rule sees which inputs carry no tangent, as
+        # when JAX calls it (Equinox's `nondifferentiable` raises on a tangent).
+        # A rule written without symbolic zeros gets every tangent instantiated,
+        # as JAX gives it (`jax.nn.softplus`'s rule multiplies them).
+        if p.get("symbolic_zeros", False):
+            zeros = tuple(is_zero_tangent(t) for t in ts)
+        else:
+            zeros = (False,) * len(ts)
+        run_jvp, out_zeros = jvp_rule(zeros)
         out_types = jax.eval_shape(lambda *a: run([*consts, *a]), *xs)
-        ts = [values.tangent_in(x, t) for x, t in zip(xs, ts)]
+        ts = [
+            values.tangent_in(x, instantiate_zero(t))
+            for x, t, z in zip(xs, ts, zeros)
+            if not z
+        ]
         outs = run_jvp([*xs, *ts])
         primal_outs, nz_tangents = outs[: len(out_zeros)], iter(outs[len(out_zeros) :])
         primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
-        tangent_outs = [
-            _zeros_like(t)
-            if z
-            else interp.coerce(values.tangent_out(y, next(nz_tangents)), type_of(y))
-            for z, t, y in zip(out_zeros, out_types, primal_outs)
-        ]
+        tangent_outs = []
+        for z, t, y in zip(out_zeros, out_types, primal_outs):
+            tangent = None if z else next(nz_tangents)
+            if z or not jnp.issubdtype(t.dtype, jnp.inexact):
+                # An integer or boolean output's tangent is float0, as JAX wants.
+                tangent_outs.append(_zero_tangent(t))
+            else:
+                tangent = values.tangent_out(y, tangent)
+                tangent_outs.append(interp.coerce(tangent, type_of(y)))
         return primal_outs, tangent_outs
 
+    fn.defjvp(fn_jvp, symbolic_zeros=True)
     return list(fn(*primals))
 
 
@@ -174,19 +210,53 @@ def _custom_vjp_rule(interp, eqn: Eqn, *args):
     consts, primals = args[:n], args[n:]
     call_jaxpr = p["call_jaxpr"]
     run = _sub(interp, call_jaxpr, eqn.scopes)
-    fwd_jaxpr, res_forwards, bwd = _compat.custom_vjp_rule_parts(p, len(primals))
-    run_fwd = _sub(interp, fwd_jaxpr, eqn.scopes)
-    n_res_out = len(fwd_jaxpr.out_avals) - len(call_jaxpr.out_avals)
-    # Trace the user's backward rule at the original types (as the forward was), then
-    # interpret that jaxpr on whatever types the transformed forward produced.
-    orig_primals = call_jaxpr.in_avals[n:]
-    res_avals, fwd_res = [], iter(fwd_jaxpr.out_avals[:n_res_out])
-    for i in res_forwards:
-        res_avals.append(orig_primals[i] if i is not None else next(fwd_res))
-    bwd_closed = jax.make_jaxpr(lambda *a: _instantiate(bwd(*a), orig_primals))(
-        *map(_struct, [*res_avals, *call_jaxpr.out_avals])
-    )
-    run_bwd = _sub(interp, bwd_closed, eqn.scopes)
+
+    @_lazy
+    def fwd_rule(perturbed):  # traced when differentiated, for those inputs
+        fwd_jaxpr, res_forwards, bwd = _compat.custom_vjp_rule_parts(
+            p, len(primals), perturbed
+        )
+        n_res_out = len(fwd_jaxpr.out_avals) - len(call_jaxpr.out_avals)
+        run_fwd = _sub(interp, fwd_jaxpr, eqn.scopes)
+        return run_fwd, fwd_jaxpr, n_res_out, res_forwards, bwd
+
+    @_lazy
+    def bwd_rule(perturbed):
+        # Trace the user's backward rule at the original types (as the forward was),
+        # then interpret that jaxpr on whatever types the transformed forward made.
+        # A residual the forward computes as a constant (Equinox saves which inputs
+        # were perturbed as Python bools, which its backward branches on) is given
+        # to the rule as that value, as JAX gives it, not as an abstract array.
+        _, fwd_jaxpr, n_res_out, res_forwards, bwd = fwd_rule(perturbed)
+        orig_primals = call_jaxpr.in_avals[n:]
+        known = dict(zip(fwd_jaxpr.jaxpr.constvars, fwd_jaxpr.consts))
+        res_avals, constant = [], []
+        fwd_res = iter(zip(fwd_jaxpr.out_avals, fwd_jaxpr.jaxpr.outvars))
+        for i in res_forwards:
+            if i is not None:
+                res_avals.append(orig_primals[i])
+                constant.append(None)
+                continue
+            aval, var = next(fwd_res)
+            res_avals.append(aval)
+            value = var.val if isinstance(var, _compat.Literal) else known.get(var)
+            if value is None or np.ndim(value) != 0:
+                constant.append(None)
+            elif aval.dtype == bool:  # a Python bool, as a filter spec needs
+                constant.append(bool(value))
+            else:
+                constant.append(np.asarray(value, aval.dtype))
+        traced = [c is None for c in constant]
+
+        def rule(*args):
+            args, res = iter(args), []
+            for c in constant:
+                res.append(next(args) if c is None else c)
+            return _instantiate(bwd(*res, *args), orig_primals)
+
+        avals = [a for a, t in zip(res_avals, traced) if t] + call_jaxpr.out_avals
+        bwd_closed = jax.make_jaxpr(rule)(*map(_struct, avals))
+        return _sub(interp, bwd_closed, eqn.scopes), traced
 
     in_types = [type_of(x) for x in primals]
     out_types = jax.eval_shape(lambda *xs: run([*consts, *xs]), *primals)
@@ -195,20 +265,29 @@ def _custom_vjp_rule(interp, eqn: Eqn, *args):
     def fn(*xs):
         return run([*consts, *xs])
 
-    def fn_fwd(*xs):
-        outs = run_fwd(list(xs))
+    def fn_fwd(*primal_args):  # `CustomVJPPrimal`s: values and whether perturbed
+        xs = [primal_value(x) for x in primal_args]
+        perturbed = tuple(is_perturbed(x) for x in primal_args)
+        run_fwd, _, n_res_out, res_forwards, _ = fwd_rule(perturbed)
+        outs = run_fwd(xs)
         res_out, primal_outs = iter(outs[:n_res_out]), outs[n_res_out:]
         res = [xs[i] if i is not None else next(res_out) for i in res_forwards]
         primal_outs = [interp.coerce(v, t) for v, t in zip(primal_outs, out_types)]
-        return primal_outs, (res, values.vjp_saved(xs, primal_outs))
+        return primal_outs, (res, values.vjp_saved(xs, primal_outs), perturbed)
 
     def fn_bwd(saved, cts):
-        res, extra = saved
+        res, extra, perturbed = saved
+        cts = [instantiate_zero(c) for c in cts]
+        run_bwd, traced = bwd_rule(perturbed)
+        res = [r for r, t in zip(res, traced) if t]
         cts_in = run_bwd([*res, *values.cotangents_in(extra, cts)])
         cts_in = values.cotangents_out(extra, cts_in)
         return tuple(interp.coerce(c, t) for c, t in zip(cts_in, in_types, strict=True))
 
-    fn.defvjp(fn_fwd, fn_bwd)
+    # Symbolic zeros: the forward learns which inputs are perturbed, as the user's
+    # rule does when JAX calls it (Equinox's `filter_custom_vjp` checks that its
+    # non-differentiable inputs are not).
+    fn.defvjp(fn_fwd, fn_bwd, symbolic_zeros=True)
     return list(fn(*primals))
 
 
@@ -216,8 +295,46 @@ def _struct(aval):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
-def _zeros_like(type_):
-    return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), type_)
+def _is_primal(leaf) -> bool:
+    return isinstance(leaf, CustomVJPPrimal)
+
+
+def primal_value(x):
+    """The value of a `custom_vjp` forward rule's input under symbolic zeros: a
+    `CustomVJPPrimal`, or a pytree of them (a `ScaledArray` under `scalify`)."""
+    return jax.tree.map(lambda p: p.value, x, is_leaf=_is_primal)
+
+
+def is_perturbed(x) -> bool:
+    """Whether JAX differentiates that input (any of its leaves)."""
+    return any(p.perturbed for p in jax.tree.leaves(x, is_leaf=_is_primal))
+
+
+def is_zero_tangent(t) -> bool:
+    """Whether a tangent (or each leaf of a pytree tangent) is a symbolic zero."""
+    leaves = jax.tree.leaves(t, is_leaf=lambda x: isinstance(x, SymbolicZero))
+    return all(isinstance(x, SymbolicZero) for x in leaves)
+
+
+def instantiate_zero(ct):
+    """A cotangent or tangent with its symbolic zeros as arrays of their type
+    (float0 for integers); a pytree's leaves each."""
+    return jax.tree.map(_zero_array, ct, is_leaf=lambda x: isinstance(x, SymbolicZero))
+
+
+def _zero_array(ct):
+    if not isinstance(ct, SymbolicZero):
+        return ct
+    if ct.dtype == dtypes.float0:
+        return np.zeros(ct.shape, dtypes.float0)
+    return jnp.zeros(ct.shape, ct.dtype)
+
+
+def _zero_tangent(type_):
+    # A zero tangent for a value of `type_`: float0 for integers and booleans.
+    if jnp.issubdtype(type_.dtype, jnp.inexact):
+        return jnp.zeros(type_.shape, type_.dtype)
+    return np.zeros(type_.shape, dtypes.float0)
 
 
 def _instantiate(cts, avals):

@@ -26,6 +26,7 @@ this sits among lowtrain's layers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ from jax import lax
 from . import _compat
 from ._eqn import Eqn, Values, is_float, same_types, type_of
 from ._higher_order import RULES as HIGHER_ORDER_RULES
+from ._higher_order import instantiate_zero, is_perturbed, primal_value
 
 # The scatter primitives by name, and the public functions that rebuild them: their
 # combiner jaxpr is typed for the traced dtype, so a rule that changes dtypes calls
@@ -85,11 +87,14 @@ class Interpreter:
         scopes: tuple[str, ...] = (),
         consts: Sequence[Any] | None = None,
         memo: dict | None = None,
+        strong_inputs: bool = False,
     ) -> list:
         """Evaluate `closed` on `args` (one value per invar) and return its outputs.
 
         `consts` replaces the jaxpr's own constants when given; `memo` is shared with
         the caller's equations when given (an inlined sub-jaxpr, same trace).
+        `strong_inputs`: the jaxpr's inputs and constants are never taken for scalar
+        constants, whatever their weak type (a learnable `jnp.array(0.25)`).
         """
         jaxpr = closed.jaxpr
         if len(args) != len(jaxpr.invars):
@@ -106,11 +111,13 @@ class Interpreter:
         def read(atom):
             return atom.val if isinstance(atom, _compat.Literal) else env[atom]
 
+        strong = set(jaxpr.invars) | set(jaxpr.constvars) if strong_inputs else set()
+
         def is_weak(atom):
-            return (
-                isinstance(atom, _compat.Literal)
-                or atom in weak_vars
-                or getattr(atom.aval, "weak_type", False)
+            if isinstance(atom, _compat.Literal):
+                return True
+            return atom not in strong and (
+                atom in weak_vars or getattr(atom.aval, "weak_type", False)
             )
 
         env.update(zip(jaxpr.constvars, closed.consts if consts is None else consts))
@@ -137,6 +144,18 @@ class Interpreter:
             # `lowtrain.numerics` still sees "eqx.nn.Linear" and `transpose(...)`.
             with _compat.enter_name_stack(jeqn):
                 if higher is not None:
+                    # A literal carried by a loop or passed to a branch, or a bool
+                    # or int one passed to a custom rule (a `True` in a while loop's
+                    # carry), enters as an array of its type, as in JAX's own. A
+                    # float literal elsewhere stays a Python value: a weak scalar
+                    # (an FP8 op's static scale of 1.0 is one).
+                    invals = [
+                        jnp.asarray(x, v.aval.dtype)
+                        if isinstance(v, _compat.Literal)
+                        and (jeqn.primitive in _LOOPS or not is_float(v.aval))
+                        else x
+                        for v, x in zip(jeqn.invars, invals)
+                    ]
                     outvals = self.higher_order(eqn, *invals)
                 elif jeqn.primitive.name not in _compat.COMBINER_PRIMITIVES and any(
                     True for _ in _compat.jaxprs_in_params(jeqn.params)
@@ -209,41 +228,75 @@ def call_transformed(
     through `enter` and differentiated, so `amp(lambda x: model(x))` differentiates the
     closed-over `model` too. Non-float inputs get no cotangent.
     """
-    in_types = [type_of(x) for x in args]
+    # Traced with strong types: an input is a value of the program (a parameter, a
+    # batch), never a scalar constant, even where made from a Python float
+    # (`eqx.nn.PReLU`'s slope is weakly typed): it is not rounded to the compute
+    # dtype, and a float32 one keeps its op in float32 as any float32 input does.
+    in_types = [_strong(type_of(x)) for x in args]
     closed = jax.make_jaxpr(fn)(*in_types)
     n_consts = len(closed.consts)
     all_types = [*map(type_of, closed.consts), *in_types]
 
     def forward(*xs):
         xs = enter(list(xs))
-        return leave(interp.eval_jaxpr(closed, xs[n_consts:], consts=xs[:n_consts]))
+        return leave(
+            interp.eval_jaxpr(
+                closed, xs[n_consts:], consts=xs[:n_consts], strong_inputs=True
+            )
+        )
 
     @jax.custom_vjp
     def run(*xs):
         return forward(*xs)
 
-    def run_fwd(*xs):
+    def run_fwd(*primals):
+        # `CustomVJPPrimal`s (symbolic zeros): only the inputs JAX perturbs are
+        # differentiated, so a custom rule inside sees the others unperturbed, as
+        # without the transform (Equinox's `filter_custom_vjp` refuses a tangent on
+        # its non-differentiable arguments).
+        xs = [primal_value(x) for x in primals]
+        wanted = tuple(i for i, x in enumerate(primals) if is_perturbed(x))
+
+        def forward_of(*ws):
+            full = list(xs)
+            for i, w in zip(wanted, ws):
+                full[i] = w
+            return forward(*full)
+
         # A `jax.checkpoint` policy, if given, chooses the residuals: what it does not
         # save is recomputed by the backward pass.
         fwd = (
-            forward
+            forward_of
             if remat_policy is None
-            else jax.checkpoint(forward, policy=remat_policy)
+            else jax.checkpoint(forward_of, policy=remat_policy)
         )
         # The pullback is a pytree (a `jax.tree_util.Partial` of the residuals):
         # it is the residual itself.
-        return jax.vjp(fwd, *xs)
+        out, pullback = jax.vjp(fwd, *(xs[i] for i in wanted))
+        return out, (pullback, wanted)
 
-    def run_bwd(pullback, cts):
+    def run_bwd(saved, cts):
+        pullback, wanted = saved
+        cts = [instantiate_zero(c) for c in cts]
         backward = jax.make_jaxpr(lambda p, c: p(c))(pullback, list(cts))
         cts_in = interp.eval_jaxpr(backward, [*jax.tree.leaves(pullback), *cts])
+        by_input = dict(zip(wanted, cts_in, strict=True))
         return tuple(
-            interp.coerce(c, t) if is_float(t) else None
-            for c, t in zip(cts_in, all_types)
+            interp.coerce(by_input[i], t) if i in by_input and is_float(t) else None
+            for i, t in enumerate(all_types)
         )
 
-    run.defvjp(run_fwd, run_bwd)
+    run.defvjp(run_fwd, run_bwd, symbolic_zeros=True)
     return run(*closed.consts, *args)
+
+
+_LOOPS = (_compat.while_p, _compat.scan_p, _compat.cond_p)
+
+
+def _strong(type_):
+    return jax.ShapeDtypeStruct(
+        type_.shape, type_.dtype, sharding=getattr(type_, "sharding", None)
+    )
 
 
 class FlatCall:
@@ -254,6 +307,11 @@ class FlatCall:
     replacements for them runs `fn` and returns its output's array leaves, as a list;
     `rebuild(leaves)` puts leaves back into the output's structure, its non-array
     parts included. Call it (trace it) before `rebuild`.
+
+    An input `fn` changes in place (a Flax NNX `Variable`: BatchNorm's running
+    statistics, an RNG stream's count) is returned too, after the output's leaves:
+    `rebuild` leaves them in `updates`, as `(index in inputs, new value)` pairs, for
+    `write_back` to set on the caller's own objects, as `nnx.jit` does.
     """
 
     def __init__(self, fn, args, kwargs, *, is_leaf=None):
@@ -263,6 +321,8 @@ class FlatCall:
         self._is_leaf = is_leaf
         self.inputs = [x for x in leaves if self._is_input(x)]
         self._out = None  # (the output's treedef, its non-array part)
+        self._updated: list[int] = []  # inputs `fn` changed in place
+        self.updates: list[tuple[int, Any]] = []
 
     def __call__(self, *xs) -> list:
         it = iter(xs)
@@ -271,10 +331,55 @@ class FlatCall:
         dynamic, static = eqx.partition(fn(*args, **kwargs), eqx.is_array)
         leaves, treedef = jax.tree.flatten(dynamic)
         self._out = (treedef, static)
-        return leaves
+        # What the call changed in place: the inputs' leaves, read again.
+        after, after_def = jax.tree.flatten((fn, args, kwargs), is_leaf=self._is_leaf)
+        if after_def != self._treedef:
+            raise TypeError(
+                "Expected the function under the transform to keep the structure of "
+                "its inputs, got a change in place that adds or removes leaves "
+                f"(before: {self._treedef}, after: {after_def}). Return new values "
+                "instead of setting new attributes on an input."
+            )
+        after = [a for a, x in zip(after, self._leaves) if self._is_input(x)]
+        self._updated = [i for i, (a, x) in enumerate(zip(after, xs)) if a is not x]
+        return [*leaves, *(after[i] for i in self._updated)]
 
     def rebuild(self, leaves) -> Any:
         treedef, static = self._out
+        leaves = list(leaves)
+        n = len(leaves) - len(self._updated)
+        self.updates = list(zip(self._updated, leaves[n:]))
         return eqx.combine(
-            jax.tree.unflatten(treedef, list(leaves)), static, is_leaf=self._is_leaf
+            jax.tree.unflatten(treedef, leaves[:n]), static, is_leaf=self._is_leaf
         )
+
+
+def write_back(tree, updates, *, is_leaf=None) -> None:
+    """Set `updates` (`(index, value)` pairs, indices into the array leaves of `tree`
+    as `FlatCall.inputs` counts them) on the mutable objects of `tree` that hold
+    those leaves: Flax NNX `Variable`s."""
+    if not updates:
+        return
+    nnx = sys.modules.get("flax.nnx")
+    variable = (lambda x: isinstance(x, nnx.Variable)) if nnx is not None else None
+    owners = []  # per array leaf: (its Variable or None)
+    for node in jax.tree.leaves(
+        tree,
+        is_leaf=lambda x: (
+            (variable is not None and variable(x)) or bool(is_leaf and is_leaf(x))
+        ),
+    ):
+        if variable is not None and variable(node):
+            inner = jax.tree.leaves(node, is_leaf=is_leaf)
+            owners.extend(node if eqx.is_array(x) else None for x in inner)
+        elif eqx.is_array(node) or bool(is_leaf and is_leaf(node)):
+            owners.append(None)
+    for index, value in updates:
+        owner = owners[index] if index < len(owners) else None
+        if owner is None:
+            raise TypeError(
+                "Expected only Flax NNX `Variable`s to be changed in place by the "
+                f"function under the transform, got a change of input leaf {index} "
+                "(not held by a Variable). Return the new value instead."
+            )
+        owner.set_value(value)

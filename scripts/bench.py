@@ -63,7 +63,11 @@ Other measurements are commands (`python scripts/bench.py COMMAND --help`):
 - `twin-hlo`: what the compiled lowtrain step does that its hand-cast twin does not
   (XLA's fusions and bytes);
 - `saved-bytes`: the bytes each precision's loss saves for the backward pass, by
-  dtype, at any model size (traced on shapes only).
+  dtype, at any model size (traced on shapes only);
+- `zoo`: the gradient error against float32 of small models written the way their
+  users write them (Equinox's examples, diffrax, Flax linen and NNX, einops) under
+  bf16, fp16 and fp8, next to a hand cast's or an FP8 emulation's
+  (`benchlib/zoo.py`; `tests/test_zoo.py` holds lowtrain to it).
 
 Writes `bench.md`, `bench.json` and `bench.png` (tokens/s) to `--out`; with
 `--save-hlo DIR` each step's optimized HLO too. A case that fails (out of memory,
@@ -78,6 +82,7 @@ say) is a table row saying why, and the script exits non-zero after the others.
         --set precision.min_dim=1024        # Hydra overrides for every case
     python scripts/bench.py gemm                 # FP8's break-even width
     python scripts/bench.py vmap                 # per-example against batched
+    python scripts/bench.py zoo                  # the model zoo's gradient errors
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ from benchlib import (
     twin_hlo,
     unit_step,
     vmap_cost,
+    zoo,
 )
 
 from lowtrain.train import use_compilation_cache, use_triton_gemm
@@ -324,6 +330,7 @@ COMMANDS = {
     "numerics": numerics_step,
     "twin-hlo": twin_hlo,
     "saved-bytes": saved_bytes,
+    "zoo": zoo,
 }
 
 

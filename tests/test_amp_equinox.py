@@ -282,3 +282,44 @@ def test_trainer_with_a_per_example_loss_is_the_batched_step(getkey):
     state = trainer.init(key=getkey())
     text = trainer.compiled_step.lower({"x": x, "y": y}, state).as_text()
     assert not _per_example_dots(text, 64)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_a_weakly_typed_scalar_parameter_is_a_parameter(policy, getkey):
+    # `eqx.nn.PReLU`'s slope is made from a Python float: a weakly typed 0-d array.
+    # It is a learnable float32 parameter like any other: never rounded to the
+    # compute dtype (1 + 2**-12 is 1.0 in bf16 and in fp16), and its op stays
+    # float32, where a float32 input keeps it. A true Python constant
+    # (the 2.0 below) still follows the other inputs.
+    slope = 1.0 + 2**-12
+    prelu = eqx.nn.PReLU(slope)
+    assert prelu.negative_slope.weak_type  # as Equinox makes it
+    scale = jnp.array(1.0 + 2**-12)  # weakly typed too
+    linear = eqx.nn.Linear(4, 4, use_bias=False, key=getkey())  # output in half
+
+    def f(model, x):
+        linear, prelu, scale = model
+        h = linear(x)
+        return prelu(h) * scale, h * 2.0, h
+
+    x = -jnp.abs(jax.random.normal(getkey(), (4,)))
+    out, doubled, h = lowtrain.amp(f, policy)((linear, prelu, scale), x)
+    assert out.dtype == jnp.float32
+    half = lowtrain.get_policy(policy).compute_dtype
+    h = h.astype(jnp.float32)  # the half-precision product, exactly
+    expected = jnp.where(h >= 0, h, slope * h) * (1.0 + 2**-12)
+    np.testing.assert_allclose(out, expected, rtol=1e-7)
+    assert not np.allclose(out, jnp.where(h >= 0, h, h), rtol=1e-5)  # not rounded
+    # The gradient of the slope is float32 and not rounded either.
+    grad = eqx.filter_grad(lambda m: jnp.sum(lowtrain.amp(f, policy)(m, x)[0]))(
+        (linear, prelu, scale)
+    )
+    assert grad[1].negative_slope.dtype == jnp.float32
+    # The constant 2.0 followed the half-precision product: the doubling ran in half.
+    jaxpr = jax.make_jaxpr(lowtrain.amp(f, policy))((linear, prelu, scale), x)
+    muls = [
+        e
+        for e in iter_eqns(jaxpr)
+        if e.primitive.name == "mul" and any(hasattr(v, "val") for v in e.invars)
+    ]
+    assert muls and all(e.outvars[0].aval.dtype == half for e in muls)

@@ -124,3 +124,59 @@ def test_nnx_module_trains_with_the_trainer(policy):
     after = trainer.run_evaluation(state, data)["loss"]
     assert after < 0.5 * before
     assert all(p.dtype == F32 for p in jax.tree.leaves(state.model))
+
+
+class _NNXNet(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 8, rngs=rngs)
+        self.bn = nnx.BatchNorm(8, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):  # a batch
+        return self.dropout(self.bn(self.linear(x)))
+
+
+def _close(a, b):
+    # Statistics of a half-precision product: close to the plain call's, relative
+    # to their scale (a running mean near 0 has no meaningful relative error).
+    np.testing.assert_allclose(a, b, rtol=0.05, atol=0.05 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nnx_state_changes_in_place_under_amp(policy):
+    # NNX's semantics: a call in training mode updates BatchNorm's running statistics
+    # and advances the dropout RNG stream, on the module itself. Under amp the same
+    # happens, the statistics float32 and equal to the plain call's to rounding;
+    # eagerly, inside `nnx.jit`, and the functional way (`nnx.split`/`merge`).
+    x = jax.random.normal(jax.random.key(1), (16, 4)) + 1.0
+    plain = _NNXNet(nnx.Rngs(0))
+    plain(x)
+    model = _NNXNet(nnx.Rngs(0))
+    mean0 = model.bn.mean[...]
+    half = lowtrain.amp(model, policy)
+    y1, y2 = half(x), half(x)
+    assert model.bn.mean[...].dtype == F32
+    assert not np.allclose(model.bn.mean[...], mean0)
+    assert int(model.dropout.rngs.count[...]) == 2  # one draw per call, as plain
+    assert not np.allclose(y1, y2)  # another mask each call
+    twice = _NNXNet(nnx.Rngs(0))
+    twice(x), twice(x)
+    _close(model.bn.mean[...], twice.bn.mean[...])
+    _close(model.bn.var[...], twice.bn.var[...])
+
+    jitted = _NNXNet(nnx.Rngs(0))
+    nnx.jit(lambda m, x: lowtrain.amp(m, policy)(x))(jitted, x)
+    _close(jitted.bn.mean[...], plain.bn.mean[...])
+    assert int(jitted.dropout.rngs.count[...]) == 1
+
+    graphdef, state = nnx.split(_NNXNet(nnx.Rngs(0)))
+
+    @jax.jit
+    def step(state, x):
+        model = nnx.merge(graphdef, state)
+        return lowtrain.amp(model, policy)(x), nnx.state(model)
+
+    _, state = step(state, x)
+    merged = nnx.merge(graphdef, state)
+    _close(merged.bn.mean[...], plain.bn.mean[...])
+    assert int(merged.dropout.rngs.count[...]) == 1

@@ -332,6 +332,37 @@ def test_fp8_conv(getkey):
     _check_all_dots_fp8(make_jaxpr(grad)(lowtrain.amp(conv, "fp8")), 3)
 
 
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_fp8_sites_take_operands_of_mixed_float_dtypes(dims, getkey):
+    # A bias-free conv, a PReLU, then a conv (Equinox's U-Net and DCGAN): the second
+    # conv's input is already bf16 where its kernel is float32. Each operand is cast
+    # to its FP8 format on its own, as every other policy casts, and so is a dot of
+    # a bf16 activation with a float32 weight.
+    conv1 = eqx.nn.Conv(dims, 2, 4, 3, use_bias=False, padding=1, key=getkey())
+    conv2 = eqx.nn.Conv(dims, 4, 3, 3, key=getkey())
+    prelu = eqx.nn.PReLU()
+    w = jax.random.normal(getkey(), (3, 5))
+    x = jax.random.normal(getkey(), (2, *(6,) * dims))
+
+    def loss(model, x):
+        conv1, prelu, conv2, w = model
+        y = conv2(prelu(conv1(x)))  # (3, ...)
+        z = jnp.einsum("c...,cd->d...", y, w)  # a dot of a bf16 and a float32 operand
+        return jnp.mean(z**2)
+
+    model = (conv1, prelu, conv2, w)
+    value, grads = eqx.filter_value_and_grad(lowtrain.amp(loss, "fp8"))(model, x)
+    ref_value, ref_grads = eqx.filter_value_and_grad(loss)(model, x)
+    assert _rel_err(value, ref_value) < 0.1
+    flat = lambda t: jnp.concatenate(
+        [jnp.ravel(v) for v in jax.tree.leaves(eqx.filter(t, eqx.is_inexact_array))]
+    )
+    assert flat(grads).dtype == jnp.float32
+    assert _rel_err(flat(grads), flat(ref_grads)) < 0.15
+    jaxpr = make_jaxpr(eqx.filter_grad(lowtrain.amp(loss, "fp8")))(model, x)
+    _check_all_dots_fp8(jaxpr, 9)  # 3 matmuls, forward and both gradients
+
+
 def test_fp8_linear_current_scaling(getkey):
     layer = fp8.Fp8Linear(16, 4, key=getkey())
     x = jax.random.normal(getkey(), (3, 5, 16)) * 1e3

@@ -249,8 +249,11 @@ def test_amp(getkey):
             a, b, rtol=2**-7, atol=2**-7 * float(jnp.abs(b).max())
         )
     dots = [r for r in report.rows if r["primitive"] == "dot_general"]
-    assert len(dots) == 3 * 3  # 3 layers: forward, and two per layer backward
-    assert [r["pass"] for r in dots].count("bwd") == 6
+    # 3 layers forward; backward, each layer's weight gradient and the input
+    # gradients of the upper two (the batch `x` is not differentiated: no gradient
+    # is computed for it, as JAX computes none).
+    assert len(dots) == 3 + 5
+    assert [r["pass"] for r in dots].count("bwd") == 5
     assert {r["dtype"] for r in dots} == {"bfloat16"}
     assert all("eqx.nn.Linear" in r["name"] for r in dots)
 

@@ -14,7 +14,14 @@ import numpy as np
 from .. import fp8
 from .._attention import attention_config, dot_product_attention
 from .._compat import COMBINER_PRIMITIVES, current_vmap, custom_vmap_p
-from .._interpret import SCATTERS, Eqn, FlatCall, Interpreter, call_transformed
+from .._interpret import (
+    SCATTERS,
+    Eqn,
+    FlatCall,
+    Interpreter,
+    call_transformed,
+    write_back,
+)
 from ..fp8._dot import delayed_dot_config, static_dot_config
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
@@ -147,6 +154,9 @@ class _AmpInterpreter(Interpreter):
             target = eqn.in_avals[0].dtype
         else:
             target = self._target(action, [operand, updates], (False, False))
+        if target is None or not _is_float(operand.dtype):
+            # An integer scatter (diffrax's step counters): nothing to decide.
+            return eqn.bind(operand, indices, updates)[0]
         p = eqn.params
         return SCATTERS[eqn.primitive.name](
             self._cast(eqn, operand, target),
@@ -275,7 +285,11 @@ def _amp_call(fn, policy: Policy, args, kwargs):
         leave=lambda outs: _cast_floats(outs, policy.output_dtype),
         remat_policy=remat,
     )
-    return call.rebuild(outs)
+    out = call.rebuild(outs)
+    # Inputs changed in place (Flax NNX state) come back in their own dtypes, to be
+    # set on the caller's objects outside this jit (`_call`).
+    updates = [(i, _cast(v, call.inputs[i].dtype)) for i, v in call.updates]
+    return out, updates
 
 
 def _batched_call(frame, fn, policy: Policy, args, kwargs):
@@ -320,7 +334,11 @@ def _call(fn, policy: Policy, args, kwargs):
         out = _batched_call(frame, fn, policy, args, kwargs)
         if out is not None:
             return out
-    return _amp_call(fn, policy, args, kwargs)
+    out, updates = _amp_call(fn, policy, args, kwargs)
+    # What the call changed in place (an NNX BatchNorm's statistics, a dropout RNG
+    # stream) is set on the caller's objects, as the call without `amp` sets it.
+    write_back((fn, args, kwargs), updates)
+    return out
 
 
 class _Amp(eqx.Module):

@@ -64,7 +64,10 @@ def _sites_of(op, lhs, rhs, dn, applied: bool = True) -> dict[str, Site]:
         gemm = gemm_of(lhs_shape, rhs_shape, dn)
     else:  # `op` is a `functools.partial` of `lax.conv_general_dilated`
         params = {**op.keywords, "preferred_element_type": None}
-        out = jax.eval_shape(functools.partial(op.func, **params), lhs, rhs).shape
+        # Shapes only: the operands may come in different float dtypes (an input
+        # already in the compute dtype, a float32 kernel), which the op would refuse.
+        lhs_, rhs_ = (jax.ShapeDtypeStruct(jnp.shape(x), F32) for x in (lhs, rhs))
+        out = jax.eval_shape(functools.partial(op.func, **params), lhs_, rhs_).shape
         spec = op.keywords.get("dimension_numbers")
         gemm = conv_gemm(rhs_shape, out, _conv_features(lhs_shape, rhs_shape, spec))
     return matmul_sites(lhs_shape, rhs_shape, gemm, applied)

@@ -8,7 +8,10 @@
 - `unit_twin`: the unit-scaled GPT (`model=gpt_unit`) with its mixed precision and
   FP8 matmuls written by hand, the twin of the unit_bf16, unit_fp16, unit_fp8 rows;
 - the commands of `bench.py COMMAND`: `gemm`, `launch`, `vmap_cost`, `amp_hand`,
-  `scalify_step`, `unit_step`, `numerics_step`, `twin_hlo`, `saved_bytes`;
+  `scalify_step`, `unit_step`, `numerics_step`, `twin_hlo`, `saved_bytes`, `zoo`;
+- `zoo_models`: the model zoo, small models written the way their users write them
+  (needs diffrax, Flax and einops, the `test` extra), for `zoo` and
+  tests/test_zoo.py;
 - `timing`: train steps, interleaved step timing and cold trace/compile timing;
 - `residuals`: the residuals reverse-mode AD saves, traced to what produces them;
 - `report`: the machine line and the markdown tables.
