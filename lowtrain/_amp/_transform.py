@@ -22,7 +22,7 @@ from .._interpret import (
     call_transformed,
     write_back,
 )
-from ..fp8._dot import delayed_dot_config, static_dot_config
+from ..fp8.internal import delayed_dot_config, static_dot_config
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
 from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
 

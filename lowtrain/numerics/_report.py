@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..fp8._sites import Site
+from ..fp8.internal import Site
 from ._plot import plot_report
 from ._stats import FORMATS, finish, lost
 

@@ -30,8 +30,7 @@ from .. import _compat
 from .._eqn import Eqn, is_float
 from .._interpret import FlatCall, Interpreter
 from .._scopes import AMP_STOP_SCOPE
-from ..fp8._quantize import current_scale
-from ..fp8._sites import KEEP_SCOPE, Site
+from ..fp8.internal import KEEP_SCOPE, Site, current_scale
 from ._report import Meta, Report
 from ._stats import GROUP, batch_stats, empty_stats, merge, merge_stacked
 

@@ -13,7 +13,7 @@ from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
 from .._loss_scale import DynamicLossScale, NoOpLossScale, _LossScale
 from .._rewrite import Rule, rewrite
-from ..fp8._linear import advanced_scales, split_records, zero_scales
+from ..fp8.internal import advanced_scales, split_records, zero_scales
 from ..unit_scaling import constraints, unit_scale
 from ._protocol import Precision, as_precision
 

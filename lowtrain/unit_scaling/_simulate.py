@@ -11,9 +11,14 @@ from jaxtyping import Array
 
 from .._rewrite import rewrite
 from ..fp8 import E4M3, E5M2, dequantize, fp8_dot_general, gemm_dims
-from ..fp8._dot import keep_op
-from ..fp8._quantize import ROUNDINGS, from_bits, quantize_at, to_bits
-from ..fp8._sites import matmul_sites
+from ..fp8.internal import (
+    ROUNDINGS,
+    from_bits,
+    keep_op,
+    matmul_sites,
+    quantize_at,
+    to_bits,
+)
 
 MATMULS = ("dot_general", "conv_general_dilated")
 
