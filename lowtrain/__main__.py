@@ -10,7 +10,12 @@ The configs are in `conf/` (installed as `lowtrain.conf`), their types in
 and the CLI" guide (docs/guides/recipes.md).
 """
 
+import dataclasses
+import difflib
+import errno
+import importlib.resources
 import logging
+import os
 import pathlib
 import shutil
 import sys
@@ -19,7 +24,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+import lowtrain
 from lowtrain.recipes import _config, _run
+from lowtrain.train import CheckpointCorruptError, Preempted, RunFolderLocked
 
 _config.register()
 
@@ -46,11 +53,88 @@ def _multirun_first(argv: list[str]) -> list[str]:
     return [*program, *flags, *rest, *args[end:]]
 
 
+def _schema_keys() -> dict[str, set[str]]:
+    # The keys each top-level node of the config holds (a group's: any of its
+    # schemas'), by the config's types (`_config.py`).
+    nodes = {
+        "trainer": [_config.TrainerConfig],
+        "sample": [_config.SampleConfig],
+        "distributed": [_config.DistributedConfig],
+    }
+    for path, schema in _config.SCHEMAS.items():
+        nodes.setdefault(path.split("/")[0], []).append(schema)
+    # `name` (a precision's), `_target_`/`_partial_` (what Hydra instantiates).
+    extra = {"name", "_target_", "_partial_"}
+    return {
+        node: {f.name for s in schemas for f in dataclasses.fields(s)} | extra
+        for node, schemas in nodes.items()
+    }
+
+
+def _group_options() -> dict[str, list[str]]:
+    # The choices of each config group: the YAML files of `lowtrain.conf/<group>/`.
+    conf = importlib.resources.files("lowtrain.conf")
+    return {
+        d.name: sorted(f.name[:-5] for f in d.iterdir() if f.name.endswith(".yaml"))
+        for d in conf.iterdir()
+        if d.is_dir() and not d.name.startswith("_")
+    }
+
+
+_CONFIG_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp", "--config-name", "-cn")
+
+
+def _check_overrides(args: list[str]) -> str | None:
+    """The first override in `args` that names no config key or no option of its
+    group, as an error message naming the closest valid ones; None if all do.
+    Hydra's own checks (and `+key=` additions) run after this for the rest."""
+    if any(a.split("=")[0] in _CONFIG_FLAGS for a in args) or any(
+        a.startswith(("hydra.searchpath", "+hydra.searchpath")) for a in args
+    ):
+        return None  # the user's own config groups and schemas: Hydra checks them
+    keys, groups = _schema_keys(), _group_options()
+    top = {f.name for f in dataclasses.fields(_config.Config)}
+    for arg in args:
+        if "=" not in arg or arg.startswith(("-", "+", "~", "hydra.", "hydra/")):
+            continue
+        key, value = arg.split("=", 1)
+        parts = key.split(".")
+        if parts[0] not in top | set(groups):
+            return _unknown(key, sorted(top | set(groups)), "a config key")
+        sweep = any(c in value for c in ",()[]")  # a sweep's list or range
+        if len(parts) == 1 and key in groups and not sweep and value not in groups[key]:
+            options = [f"{key}={o}" for o in groups[key]]
+            return _unknown(f"{key}={value}", options, f"an option of `{key}`")
+        if len(parts) == 2 and parts[0] in keys and parts[1] not in keys[parts[0]]:
+            shown = sorted(k for k in keys[parts[0]] if not k.startswith("_"))
+            valid = [f"{parts[0]}.{k}" for k in shown]
+            return _unknown(key, valid, f"a key of `{parts[0]}`")
+    return None
+
+
+def _unknown(given: str, valid: list[str], what: str) -> str:
+    close = difflib.get_close_matches(given, valid, n=3, cutoff=0.6)
+    hint = f" Did you mean {' or '.join(f'`{c}`' for c in close)}?" if close else ""
+    shown = ", ".join(valid) if len(valid) <= 12 else ", ".join(valid[:12]) + ", ..."
+    return (
+        f"Expected {what}, got `{given}` instead.{hint} (Valid: {shown}; "
+        "`python -m lowtrain --help` lists them.)"
+    )
+
+
 def _remove_if_new(folder: pathlib.Path) -> None:
     # Hydra makes the run directory and its log file before `main` runs: a launch
-    # refused for its config leaves none behind (a directory holding anything else,
-    # a run's outputs, is kept).
-    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {"lowtrain.log"}:
+    # refused for its config, or stopped before its first step, leaves none behind.
+    # A folder that holds anything else (a run's outputs, an earlier launch's
+    # records) is kept.
+    if not folder.is_dir():
+        return
+    made = {"lowtrain.log", "config.yaml", "launches", ".lowtrain.lock"}
+    launches = folder / "launches"
+    first = not launches.is_dir() or [p.name for p in launches.iterdir()] == [
+        "001.yaml"
+    ]
+    if {p.name for p in folder.iterdir()} <= made and first:
         shutil.rmtree(folder)
         # And the folders made for it that are empty now (`outputs/mnist_fp8/`).
         cwd = pathlib.Path.cwd().resolve()
@@ -70,17 +154,86 @@ def main(cfg: DictConfig) -> float:
     try:
         _run.check(cfg)
     except (ValueError, TypeError) as e:
+        if _full_error():
+            raise
         logging.shutdown()
         _remove_if_new(output_dir)
         print(f"lowtrain: {e}", file=sys.stderr)
         sys.exit(2)
-    summary = _run.run(cfg, output_dir)
+    try:
+        summary = _run.run(cfg, output_dir)
+    except RunFolderLocked as e:  # another launch trains there: nothing written
+        logging.shutdown()
+        print(f"lowtrain: {e}", file=sys.stderr)
+        sys.exit(2)
+    except Preempted as e:
+        # Stopped from outside, saved: one line, the signal's exit status.
+        logging.shutdown()
+        overrides = [
+            o
+            for o in HydraConfig.get().overrides.task
+            if not o.startswith("trainer.resume")
+        ]
+        again = " ".join(["python -m lowtrain", *overrides])
+        if e.path is not None:
+            again += f" hydra.run.dir={output_dir} trainer.resume=true"
+        print(f"lowtrain: {e}; resume with: {again}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except _RUN_ERRORS as e:
+        # lowtrain's own refusals (a resume that would change the run, a checkpoint
+        # that is not there or is damaged, a run that diverged): one line. What
+        # lowtrain did not raise itself is a bug: its traceback, as is every error
+        # with HYDRA_FULL_ERROR=1.
+        if not _raised_here(e) or _full_error():
+            raise
+        logging.shutdown()
+        _remove_if_new(output_dir)
+        print(f"lowtrain: {' '.join(str(e).split())}", file=sys.stderr)
+        failed = isinstance(e, FloatingPointError | CheckpointCorruptError) or (
+            getattr(e, "errno", None) == errno.ENOSPC
+        )
+        sys.exit(1 if failed else 2)
     if cfg.mode != "train":  # evaluate, sample: printed, nothing to keep
         logging.shutdown()
         _remove_if_new(output_dir)
     return next(iter(summary["final"].values()))
 
 
+# What a run raises for its user (exit 2), or for a run that failed (exit 1: it
+# diverged, its checkpoints are all damaged, the disk is full), as one line.
+_RUN_ERRORS = (
+    ValueError,
+    TypeError,
+    OSError,
+    FloatingPointError,
+    CheckpointCorruptError,
+)
+# lowtrain's code: the package and its recipes (installed as `lowtrain.recipes`
+# from the checkout's `recipes/`).
+_OURS = {pathlib.Path(m.__file__).resolve().parent for m in (lowtrain, _run)}
+
+
+def _full_error() -> bool:
+    # Hydra's switch for whole tracebacks: lowtrain's one-line errors honour it.
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def _raised_here(e: BaseException) -> bool:
+    # Whether the innermost frame of `e`'s traceback is lowtrain's own code (a
+    # message written for the user), not a library's or Python's.
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    where = pathlib.Path(tb.tb_frame.f_code.co_filename).resolve().parents
+    return any(folder in where for folder in _OURS)
+
+
 if __name__ == "__main__":
     sys.argv = _multirun_first(sys.argv)  # Hydra parses `sys.argv` in `main`
+    error = None if _full_error() else _check_overrides(sys.argv[1:])
+    if error is not None:  # before Hydra makes a run folder
+        print(f"lowtrain: {error}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -354,6 +354,15 @@ class FlatCall:
         )
 
 
+def nnx_variables(tree) -> list:
+    """The Flax NNX `Variable`s in `tree` (none where `flax.nnx` is not imported)."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return []
+    variable = lambda x: isinstance(x, nnx.Variable)
+    return [v for v in jax.tree.leaves(tree, is_leaf=variable) if variable(v)]
+
+
 def write_back(tree, updates, *, is_leaf=None) -> None:
     """Set `updates` (`(index, value)` pairs, indices into the array leaves of `tree`
     as `FlatCall.inputs` counts them) on the mutable objects of `tree` that hold

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 
 from ._eqn import Eqn, is_float
-from ._interpret import FlatCall, Interpreter
+from ._interpret import FlatCall, Interpreter, write_back
 from ._scopes import match_scope
 
 # A rewrite rule: `rule(op, *operands) -> output`, where `op(*operands)` runs the
@@ -60,9 +60,10 @@ class _RewriteInterpreter(Interpreter):
 def _rewrite_call(fn, rules, scopes, args, kwargs):
     call = FlatCall(fn, args, kwargs)
     closed = jax.make_jaxpr(call)(*call.inputs)
-    return call.rebuild(
+    out = call.rebuild(
         _RewriteInterpreter(rules, scopes).eval_jaxpr(closed, call.inputs)
     )
+    return out, call.updates
 
 
 class _Rewrite(eqx.Module):
@@ -77,7 +78,10 @@ class _Rewrite(eqx.Module):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        return _rewrite_call(self.fn, self.rules, self.scopes, args, kwargs)
+        out, updates = _rewrite_call(self.fn, self.rules, self.scopes, args, kwargs)
+        # Flax NNX state the call changed in place, set on the caller's objects.
+        write_back((self.fn, args, kwargs), updates)
+        return out
 
 
 def _check_rules(rules, what: str) -> tuple[tuple[str, Rule], ...]:

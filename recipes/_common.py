@@ -35,6 +35,8 @@ FREE_ON_RESUME = (
     "trainer.log_every",
     "trainer.eval_every",
     "trainer.checkpoint_every",
+    "trainer.checkpoint_every_minutes",
+    "trainer.stop_signals",
     "trainer.keep_checkpoints",
     "trainer.async_checkpoint",
     "trainer.progress",
@@ -44,6 +46,8 @@ FREE_ON_RESUME = (
     "trainer.numerics_every",
     "trainer.numerics_format",
     "trainer.max_consecutive_skips",
+    "trainer.diverge_factor",
+    "trainer.diverge_patience",
     "trainer.loggers",
     "trainer.early_stopping",
     "trainer.min_delta",
@@ -99,7 +103,8 @@ def trainer_options(config: Config) -> dict[str, Any]:
     """`lowtrain.Trainer` keyword arguments from the config: the precision (built
     by the factory `precision._target_` names, from the other `precision` fields;
     `precision.name` only names the run), `trainer.redo_on_nan`, `trainer.sharding`,
-    `trainer.grad_accum` and `trainer.numerics_every`."""
+    `trainer.grad_accum`, `trainer.numerics_every` and the checks that stop a run
+    (`max_consecutive_skips`, `diverge_factor`, `diverge_patience`)."""
     fields = dataclasses.asdict(config.precision)
     fields.pop("name")
     t = config.trainer
@@ -110,6 +115,8 @@ def trainer_options(config: Config) -> dict[str, Any]:
         "grad_accum": t.grad_accum,
         "numerics_every": t.numerics_every,
         "max_consecutive_skips": t.max_consecutive_skips,
+        "diverge_factor": t.diverge_factor,
+        "diverge_patience": t.diverge_patience,
     }
 
 
@@ -184,7 +191,11 @@ def fit(
         "data": data_fingerprint or {},
     }
     ckpt_dir = out / "checkpoints"
-    latest = lowtrain.latest_checkpoint(ckpt_dir) if t.resume else None
+    # The newest checkpoint that is intact (a damaged one is set aside, as the
+    # resume would): the one whose config the resume is checked against.
+    latest = (
+        lowtrain.latest_checkpoint(ckpt_dir, check_files=True) if t.resume else None
+    )
     if latest is not None:
         changes = resume_differences(
             lowtrain.checkpoint_extra(latest), extra, t.resume_allow
@@ -237,6 +248,8 @@ def fit(
         checkpoint_dir=ckpt_dir,
         checkpoint_extra=extra,
         checkpoint_every=t.checkpoint_every,
+        checkpoint_every_minutes=t.checkpoint_every_minutes,
+        stop_signals=list(t.stop_signals),
         keep_checkpoints=t.keep_checkpoints,
         async_checkpoint=t.async_checkpoint,
         resume=t.resume,

@@ -28,6 +28,7 @@ from lowtrain.numerics import FORMATS
 from ._checks import at_least as _at_least
 from ._checks import one_of as _one_of
 from ._checks import positive as _positive
+from ._checks import stop_signals as _stop_signals
 from ._model_config import Attention as Attention
 from ._model_config import CNNConfig as CNNConfig
 from ._model_config import CrossEntropy as CrossEntropy
@@ -182,6 +183,12 @@ class TrainerConfig:
     eval_every: int | None = None  # steps between evaluations; always at the end
     log_every: int = 50  # steps between lines of metrics.jsonl
     checkpoint_every: int | None = None  # steps between checkpoints; always at the end
+    # Also a checkpoint when this many minutes have passed since the last (null: off),
+    # so a hard kill loses bounded time.
+    checkpoint_every_minutes: float | None = None
+    # Signals that stop the run cleanly: the step finishes, is saved, and the run
+    # exits with 128 + the signal's number (SIGUSR1: SLURM's notice before a requeue).
+    stop_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGINT"])
     keep_checkpoints: int = 2
     # Write checkpoints on a background thread: a save blocks only for the copy of the
     # state to host memory.
@@ -198,6 +205,10 @@ class TrainerConfig:
     redo_on_nan: int = 0  # recompute a step at a lower loss scale up to N times
     # Stop the run (an error) after this many skipped steps in a row (null: never).
     max_consecutive_skips: int | None = 20
+    # Stop a run whose loss stays above this factor times its best (and its first)
+    # for `diverge_patience` steps in a row (null: never).
+    diverge_factor: float | None = 10000.0
+    diverge_patience: int = 20
     sharding: str = "replicated"  # or "fsdp": parameters, optimizer state split
     grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
     numerics_every: int | None = None  # steps between numerics reports (None: off)
@@ -226,6 +237,7 @@ class TrainerConfig:
             "epochs",
             "eval_every",
             "checkpoint_every",
+            "checkpoint_every_minutes",
             "numerics_every",
         ):
             if getattr(self, name) is not None:
@@ -245,8 +257,13 @@ class TrainerConfig:
                 f"Expected `trainer.resume` true, false or auto, got {self.resume!r} "
                 "instead."
             )
+        _stop_signals(self.stop_signals, "trainer.stop_signals")
         if self.max_consecutive_skips is not None:
             _positive(self.max_consecutive_skips, "trainer.max_consecutive_skips")
+        if self.diverge_factor is not None:
+            _at_least(self.diverge_factor, 1, "trainer.diverge_factor")
+            _positive(self.diverge_factor, "trainer.diverge_factor")  # finite
+        _positive(self.diverge_patience, "trainer.diverge_patience")
         _one_of(self.monitor_mode, ("min", "max"), "trainer.monitor_mode")
         if self.early_stopping is not None:
             _positive(self.early_stopping, "trainer.early_stopping")

@@ -100,6 +100,11 @@ def read_idx(path: pathlib.Path) -> np.ndarray:
 
 
 def _find_idx(folder: pathlib.Path, split: str) -> pathlib.Path:
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"Expected a folder of MNIST IDX files at `data.path`, got {folder}, "
+            f"which is not a folder. {MISSING_MNIST}"
+        )
     for name in _IDX_NAMES[split]:
         for candidate in (folder / name, folder / f"{name}.gz"):
             if candidate.is_file():
@@ -113,11 +118,6 @@ def _find_idx(folder: pathlib.Path, split: str) -> pathlib.Path:
 def load_idx(folder) -> dict[str, np.ndarray]:
     """The four MNIST arrays from the IDX files in `folder`."""
     folder = pathlib.Path(folder).expanduser()
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"Expected a folder of MNIST IDX files at `data.path`, got {folder}, "
-            f"which is not a folder.\n{MISSING_MNIST}"
-        )
     arrays = {split: read_idx(_find_idx(folder, split)) for split in SPLITS}
     for x, y in (("x_train", "y_train"), ("x_test", "y_test")):
         if arrays[x].ndim != 3 or arrays[y].shape != arrays[x].shape[:1]:

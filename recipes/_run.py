@@ -116,6 +116,16 @@ def run(cfg: DictConfig, output_dir) -> dict:
     out = _distributed.shared_run_dir(pathlib.Path(output_dir).resolve())
     main = jax.process_index() == 0
     out.mkdir(parents=True, exist_ok=True)
+    # One launch per run folder: taken before anything is written into it.
+    lock = lowtrain.train.RunLock(out).acquire() if main else None
+    try:
+        return _train(task, config, cfg, out, main)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path, main: bool):
     if main:
         launch_records(out, cfg)
     title = f"{config.task} {config.precision.name}"

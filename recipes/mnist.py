@@ -117,6 +117,9 @@ def build_model(config: Config, *, key: PRNGKeyArray) -> eqx.Module:
 
 def cross_entropy(logits: Float[Array, "B K"], labels: Int[Array, " B"]):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    # A label outside [0, K) reads NaN (the gather's fill), which stops the run; a
+    # negative one would otherwise wrap around to a class from the end.
+    labels = jnp.where(labels < 0, logits.shape[1], labels)
     return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], 1))
 
 

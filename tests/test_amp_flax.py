@@ -180,3 +180,131 @@ def test_nnx_state_changes_in_place_under_amp(policy):
     merged = nnx.merge(graphdef, state)
     _close(merged.bn.mean[...], plain.bn.mean[...])
     assert int(merged.dropout.rngs.count[...]) == 1
+
+
+class _NNXClassifier(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+        self.l2 = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.dropout(jax.nn.relu(self.bn(self.l1(x)))))
+
+
+class _NNXTrainer(lowtrain.Trainer):
+    def loss(self, model, batch, *, key):
+        return _ce(model(batch["x"]), batch["y"])
+
+
+def _nnx_batches(n):
+    keys = jax.random.split(jax.random.key(7), n)
+    x = [jax.random.normal(k, (32, 4)) + 0.5 for k in keys]
+    return [{"x": xi, "y": jnp.argmax(xi[:, :3], 1)} for xi in x]
+
+
+def _nnx_reference(model, batches, lr):
+    # The NNX way, by hand: `nnx.value_and_grad` differentiates the Params and
+    # writes the rest back to the module; the state goes through `jax.jit` split.
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    opt = optax.sgd(lr)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, rest, opt_state, batch):
+        m = nnx.merge(graphdef, params, rest)
+        loss = lambda m: _ce(m(batch["x"]), batch["y"])
+        value, grads = nnx.value_and_grad(loss)(m)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        rest = nnx.state(m, nnx.Not(nnx.Param))
+        return optax.apply_updates(params, updates), rest, opt_state, value
+
+    losses = []
+    for batch in batches:
+        params, rest, opt_state, value = step(params, rest, opt_state, batch)
+        losses.append(float(value))
+    return nnx.merge(graphdef, params, rest), losses
+
+
+def _run(trainer, state, batches):
+    losses = []
+    for batch in batches:
+        state, metrics = trainer.compiled_step(trainer.shard_batch(batch), state)
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+@pytest.mark.parametrize("policy", ["fp32", *POLICIES])
+def test_nnx_state_is_kept_by_the_trainer(policy):
+    # The Trainer keeps what NNX's calls change in place, as NNX's own functional
+    # step does: in float32 the same losses and statistics as the hand-written NNX
+    # loop; under every policy BatchNorm's running statistics move (float32, near
+    # the float32 run's) and the dropout stream advances one draw per step.
+    batches = _nnx_batches(6)
+    ref, ref_losses = _nnx_reference(_NNXClassifier(nnx.Rngs(0)), batches, 0.1)
+    trainer = _NNXTrainer(_NNXClassifier(nnx.Rngs(0)), optax.sgd(0.1), precision=policy)
+    state, losses = _run(trainer, trainer.init(key=jax.random.key(0)), batches)
+    model = state.model
+    assert int(model.dropout.rngs.count[...]) == len(batches)
+    assert model.bn.mean[...].dtype == F32 and model.bn.var[...].dtype == F32
+    assert not np.allclose(model.bn.mean[...], 0.0)
+    if policy == "fp32":
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        np.testing.assert_allclose(model.bn.mean[...], ref.bn.mean[...], rtol=1e-5)
+        np.testing.assert_allclose(model.bn.var[...], ref.bn.var[...], rtol=1e-5)
+    else:
+        np.testing.assert_allclose(losses, ref_losses, rtol=0.1)
+        _close(model.bn.mean[...], ref.bn.mean[...])
+    # Dropout differs from step to step: the same batch twice, two masks.
+    again, (a, b) = _run(trainer, state, [batches[0], batches[0]])
+    assert a != b and int(again.model.dropout.rngs.count[...]) == len(batches) + 2
+
+
+def test_nnx_state_resumes_where_it_stopped(tmp_path):
+    # A run stopped and resumed from its checkpoint continues the RNG stream and the
+    # statistics: the same model, bit for bit, as the run that did not stop.
+    batches = _nnx_batches(6)
+    data = lambda step: batches[step % len(batches)]
+
+    def fit(steps, ckpt, resume=False):
+        trainer = _NNXTrainer(_NNXClassifier(nnx.Rngs(0)), optax.sgd(0.1))
+        state = trainer.init(key=jax.random.key(0))
+        return trainer.fit(
+            state,
+            data,
+            steps=steps,
+            checkpoint_dir=ckpt,
+            checkpoint_every=3,
+            resume=resume,
+            progress=False,
+        )
+
+    whole = fit(6, tmp_path / "whole")
+    fit(3, tmp_path / "split")
+    resumed = fit(6, tmp_path / "split", resume=True)
+    assert int(resumed.model.dropout.rngs.count[...]) == 6
+    for a, b in zip(jax.tree.leaves(whole.model), jax.tree.leaves(resumed.model)):
+        if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nnx_state_written_back_by_rewrite_and_unit_scale():
+    # Every model transform sets a call's in-place changes on the caller's module.
+    x = jax.random.normal(jax.random.key(1), (16, 4)) + 1.0
+    for wrap in (lowtrain.unit_scaling.unit_scale, lambda m: lowtrain.rewrite(m, {})):
+        model = _NNXNet(nnx.Rngs(0))
+        wrap(model)(x)
+        assert int(model.dropout.rngs.count[...]) == 1
+        assert not np.allclose(model.bn.mean[...], 0.0)
+
+
+def test_nnx_state_change_under_vmap_is_refused():
+    # A per-example call cannot keep a change in place: an error that says what to
+    # do, not a silently frozen mask.
+    model = _NNXNet(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (16, 1, 4))
+    with pytest.raises(TypeError, match="nnx.vmap"):
+        jax.vmap(lowtrain.amp(model, "bf16"))(x)
+    assert int(model.dropout.rngs.count[...]) == 0

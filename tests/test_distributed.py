@@ -214,3 +214,49 @@ def test_two_process_cli_matches_one_process_on_mnist(tmp_path):
     a, b = (json.loads((r / "summary.json").read_text())["final"] for r in (two, one))
     assert abs(a["test_accuracy"] - b["test_accuracy"]) <= 0.001  # 0.1 point
     assert a["test_accuracy"] > 0.85
+
+
+# The worker of `WORKER`, signalled: process 1 sends itself SIGTERM after step 5.
+STOPPED = WORKER.replace(
+    "    state = trainer.fit(",
+    """    import signal
+    from lowtrain.train import Preempted
+
+    def notice(info):
+        if pid == 1 and info.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.add_hook(notice)
+    try:
+        state = trainer.fit(""",
+).replace(
+    "    final = snapshot(state)",
+    """    except Preempted as e:
+        print(f"STOPPED {e.step} {e.path}", flush=True)
+        sys.exit(e.exit_code)
+    final = snapshot(state)""",
+)
+
+
+@pytest.mark.slow  # three two-process launches
+def test_a_signal_to_one_process_stops_every_process_at_one_step(
+    two_processes, tmp_path
+):
+    # One process told to stop (the scheduler's SIGTERM may reach only one): both
+    # agree at the next step that logs, save that step together, and exit 143;
+    # the resume ends where the uninterrupted two-process run does, bit for bit.
+    _, losses, final = two_processes
+    port = free_port()
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    argvs = [(tmp_path, 2, i, port, 30, 0, 15, 1, "replicated", 16) for i in range(2)]
+    results = run_processes(STOPPED, argvs, env=env, timeout=180)
+    stops = []
+    for code, output in results:
+        assert code == 143, output[-3000:]
+        (line,) = [x for x in output.splitlines() if x.startswith("STOPPED")]
+        stops.append(line.split()[1:])
+    assert stops[0] == stops[1] and stops[0][0] == "6"  # the step after the signal
+    assert stops[0][1].endswith("ckpt_00000006")
+    resumed_losses, resumed = train(tmp_path, 2, resume=True, asynchronous=True)
+    assert resumed_losses == losses
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(resumed, final))

@@ -3,6 +3,7 @@ and skipped, runs that stop training say so, resumes that would change the run a
 refused, run records survive crashes, data is checked by SHA-256 and never built or
 run, FP8 never hides a non-finite tensor nor scales by 0."""
 
+import errno
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import lowtrain
@@ -180,6 +182,180 @@ def test_rotation_keeps_only_checked_checkpoints(tmp_path, monkeypatch):
     assert _checkpoint.list_checkpoints(tmp_path / "run" / "ckpt") == before
 
 
+def test_a_linked_step_folder_is_never_loaded_nor_deleted(
+    tmp_path, monkeypatch, caplog
+):
+    # A `ckpt_*` entry that is a symbolic link points outside the run: it is named
+    # and ignored, never resumed from, never deleted through, by rotation at any
+    # core count (orbax deletes in parallel on 4 or more).
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    _fit(_trainer(), tmp_path / "run", 8)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("not the run's")
+    ckpt = tmp_path / "run" / "ckpt"
+    for step in (2, 99):  # older than every checkpoint, and newer than all
+        (ckpt / f"ckpt_{step:08d}").symlink_to(outside, target_is_directory=True)
+    with caplog.at_level("INFO", logger="lowtrain"):
+        state = _fit(_trainer(), tmp_path / "run", 16, resume=True)
+    assert "resumed from step 8" in caplog.text
+    assert int(state.step) == 16
+    assert (outside / "precious.txt").read_text() == "not the run's"
+    assert (ckpt / "ckpt_00000002").is_symlink() and (
+        ckpt / "ckpt_00000099"
+    ).is_symlink()
+    assert "ckpt_00000099 is a symbolic link" in caplog.text
+    from lowtrain.train._checkpoint import list_checkpoints
+
+    assert [step for step, _ in list_checkpoints(ckpt)] == [12, 16]
+
+
+_HOLDER = """
+import sys, time
+from lowtrain.train import RunLock
+RunLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def _hold(folder: pathlib.Path) -> subprocess.Popen:
+    # Another process that holds `folder`'s lock, as a second launch would meet it.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(folder)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout.readline().strip() == "held"
+    child.stdout.close()
+    return child
+
+
+def test_one_run_per_folder_and_a_stale_lock_is_taken_over(tmp_path, caplog):
+    folder = tmp_path / "run"
+    child = _hold(folder / "ckpt")
+    try:
+        with pytest.raises(
+            lowtrain.train.RunFolderLocked, match=f"process {child.pid}"
+        ):
+            _fit(_trainer(), folder, 4)
+        assert not (folder / "metrics.jsonl").exists()  # nothing written
+    finally:
+        child.kill()  # killed: its lock stays behind, stale
+        child.wait()
+    assert (folder / "ckpt" / ".lowtrain.lock").exists()
+    with caplog.at_level("WARNING", logger="lowtrain"):
+        state = _fit(_trainer(), folder, 4)
+    assert int(state.step) == 4
+    assert f"held by process {child.pid}" in caplog.text and "gone" in caplog.text
+    assert not (folder / "ckpt" / ".lowtrain.lock").exists()  # released at the end
+
+
+def test_a_second_cli_launch_on_a_live_run_folder_is_one_line(tmp_path):
+    child = _hold(tmp_path / "run")
+    try:
+        done = _cli("trainer.steps=5", "hydra.run.dir=run", cwd=tmp_path)
+    finally:
+        child.kill()
+        child.wait()
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lowtrain: "), done.stderr
+    assert f"in use by process {child.pid}" in lines[0]
+    assert not (tmp_path / "run" / "launches").exists()
+
+
+def _change_shape(path: pathlib.Path) -> None:
+    # Valid JSON that says another thing: a weight's shape changed.
+    meta = path / "meta" / "metadata"
+    data = json.loads(meta.read_text())
+    data["leaves"][1]["shape"] = [s + 1 for s in data["leaves"][1]["shape"]]
+    meta.write_text(json.dumps(data))
+
+
+_METADATA_DAMAGE = {
+    "metadata byte": lambda p: _flip(p / "meta" / "metadata", np.random.default_rng(1)),
+    "metadata shape": _change_shape,
+    "digests byte": lambda p: (p / "lowtrain_files.process_0.json").write_text(
+        (p / "lowtrain_files.process_0.json").read_text()[:-3]
+    ),
+    "orbax metadata": lambda p: (p / "_CHECKPOINT_METADATA").write_text("{"),
+    "meta deleted": lambda p: shutil.rmtree(p / "meta"),
+    "folder emptied": lambda p: [
+        shutil.rmtree(f) if f.is_dir() else f.unlink() for f in list(p.iterdir())
+    ],
+}
+
+
+@pytest.mark.parametrize("damage", list(_METADATA_DAMAGE))
+def test_damaged_metadata_falls_back_with_the_right_diagnosis(tmp_path, damage, caplog):
+    # Any file of a checkpoint, not only its array data: found before any of it is
+    # used, called corruption, set aside, and the one before resumed from.
+    _fit(_trainer(), tmp_path / "run", 8)
+    ckpt = tmp_path / "run" / "ckpt"
+    newest = lowtrain.latest_checkpoint(ckpt)
+    _METADATA_DAMAGE[damage](newest)
+    with pytest.raises(lowtrain.CheckpointCorruptError, match=str(newest)):
+        lowtrain.load_checkpoint(newest, _trainer().init(key=jax.random.key(0)))
+    with pytest.raises(lowtrain.CheckpointCorruptError, match=str(newest)):
+        lowtrain.checkpoint_extra(newest)
+    with pytest.raises(lowtrain.CheckpointCorruptError, match=str(newest)):
+        lowtrain.train.load_model(newest, make_model())
+    with caplog.at_level("INFO", logger="lowtrain"):
+        state = _fit(_trainer(), tmp_path / "run", 8, resume=True)
+    assert "resumed from step 4" in caplog.text and "Set aside" in caplog.text
+    assert int(state.step) == 8
+    assert (ckpt / ("corrupt_" + newest.name)).is_dir()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    # A real full disk: a 3 MiB tmpfs (where this machine lets the tests mount one).
+    where = tmp_path / "disk"
+    where.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(where)]
+    if subprocess.run(cmd, capture_output=True).returncode != 0:
+        pytest.skip("a small disk needs `mount -t tmpfs` (root in a container)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], capture_output=True)
+
+
+# Orbax leaves the coroutines of the write that failed to be collected after its
+# event loop closed ("Event loop is closed"): its leftovers, not an error lost (the
+# save's own error is the OSError asserted here).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_full_disk_is_one_sentence_and_leaves_no_partial_save(
+    small_disk, asynchronous
+):
+    # An MLP whose state takes about 1 MiB a checkpoint: the disk fills at the
+    # third or fourth save. The error names ENOSPC and the folder; the partial
+    # save is gone; the checkpoints before it load.
+    model = eqx.nn.MLP(4, 2, 400, 2, key=jax.random.key(0))
+    trainer = Mse(model, SGD(1e-3))
+    with pytest.raises(OSError, match="No space left on device while saving step") as e:
+        trainer.fit(
+            trainer.init(key=jax.random.key(0)),
+            make_data(),
+            steps=40,
+            checkpoint_dir=small_disk / "ckpt",
+            checkpoint_every=2,
+            keep_checkpoints=50,
+            async_checkpoint=asynchronous,
+            progress=False,
+        )
+    assert e.value.errno == errno.ENOSPC and str(small_disk / "ckpt") in str(e.value)
+    left = sorted(p.name for p in (small_disk / "ckpt").iterdir())
+    assert not [name for name in left if "tmp" in name], left
+    from lowtrain.train._checkpoint import list_checkpoints
+
+    saved = list_checkpoints(small_disk / "ckpt")
+    assert saved
+    like = trainer.init(key=jax.random.key(0))
+    for _, path in saved:
+        lowtrain.load_checkpoint(path, like)
+
+
 def test_resume_without_a_checkpoint_is_an_error_unless_auto(tmp_path):
     with pytest.raises(ValueError, match="Expected a checkpoint to resume from"):
         _fit(_trainer(), tmp_path / "typo", 4, resume=True)
@@ -276,6 +452,47 @@ def test_all_nan_data_stops_an_fp16_run(tmp_path):
     assert "skipped" in str(e.value)
 
 
+def test_divergence_check_judges_positive_losses_above_best_and_first():
+    from lowtrain.train._divergence import DivergenceCheck
+
+    check = DivergenceCheck(factor=100.0, patience=2)
+    for step, loss in enumerate([2.0, 0.01, 1.5, 1.9, -5.0, 0.0]):
+        check.update(step, loss)  # 1.5 > 100 x 0.01 but below the first: fine
+    check.update(6, 3.0)  # above both: one
+    check.update(7, 0.5)  # back below: the count starts again
+    check.update(8, 3.0)
+    with pytest.raises(FloatingPointError, match=r"diverged.*3 at train step 10"):
+        check.update(9, 3.0)
+    check.reset()
+    check.update(0, 1e6)  # a new fit: its own first loss
+    for bad in (1.0, 0.5, float("inf"), "10"):
+        with pytest.raises(ValueError, match="diverge_factor"):
+            DivergenceCheck(bad)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_a_run_diverging_to_finite_losses_stops(precision):
+    # Plain SGD past its stable learning rate: the loss grows each step, finite for
+    # about 50 steps. The run stops once it has stayed 1e4x above its best for 20
+    # steps, naming the figures, not later as a "non-finite loss" of the labels.
+    trainer = Mse(
+        eqx.nn.Linear(4, 2, key=jax.random.key(0)), optax.sgd(2.0), precision=precision
+    )
+    state = trainer.init(key=jax.random.key(0))
+    with pytest.raises(FloatingPointError, match="The run diverged") as e:
+        trainer.fit(state, make_data(), steps=200, progress=False)
+    assert "diverge_factor" in str(e.value) and "best loss" in str(e.value)
+    # Turned off, the same run goes on until the loss is no longer finite.
+    off = Mse(
+        eqx.nn.Linear(4, 2, key=jax.random.key(0)),
+        optax.sgd(2.0),
+        precision=precision,
+        diverge_factor=None,
+    )
+    with pytest.raises(FloatingPointError, match="The loss is (inf|nan)"):
+        off.fit(off.init(key=jax.random.key(0)), make_data(), steps=200, progress=False)
+
+
 def test_skips_in_a_row_stop_the_run_at_the_limit():
     ls = lowtrain.DynamicLossScale(2.0**15, min_scale=2.0**-20)  # far from the floor
     trainer = _Nans(make_model(), SGD(0.05), loss_scale=ls, max_consecutive_skips=7)
@@ -317,6 +534,19 @@ def test_labels_outside_the_classes_stop_the_run_even_in_fp16():
     trainer = _Classes(model, SGD(0.1), precision="fp16")
     with pytest.raises(FloatingPointError, match="labels outside"):
         trainer.fit(trainer.init(key=jax.random.key(2)), data, steps=5, progress=False)
+
+
+def test_negative_labels_are_outside_the_classes_not_wrapped():
+    # JAX's gather counts a negative index from the end: label -1 would train as
+    # class K-1. The recipes' and unit scaling's cross-entropies read NaN instead.
+    from lowtrain.recipes.mnist import cross_entropy
+    from lowtrain.unit_scaling.functional import cross_entropy as unit_ce
+
+    logits = jax.random.normal(jax.random.key(0), (4, 10))
+    for ce in (cross_entropy, unit_ce):
+        assert np.isnan(ce(logits, jnp.array([0, 1, -1, 2])))
+        assert np.isnan(ce(logits, jnp.array([0, 1, 10, 2])))
+        assert np.isfinite(ce(logits, jnp.array([0, 1, 9, 2])))
 
 
 def test_mnist_labels_are_checked_at_load(tmp_path):
@@ -438,6 +668,92 @@ def test_a_config_error_is_one_line_exit_2_and_no_run_dir(tmp_path):
         "lowtrain: Expected `optimizer.lr` > 0, got -1.0 instead."
     ]
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["recipe=gpt_bf16", "mode=sample", "checkpoint=outputs/nope"],
+            "Expected a run directory or checkpoint at",
+        ),
+        (["data.path=/nonexistent"], "Expected a folder of MNIST IDX files"),
+    ],
+    ids=["checkpoint", "data_path"],
+)
+def test_a_runtime_user_error_is_one_line_exit_2_and_no_run_dir(tmp_path, args, says):
+    done = _cli(*args, cwd=tmp_path)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"lowtrain: {says}")
+    assert not (tmp_path / "outputs").exists()
+    # HYDRA_FULL_ERROR=1 still gives the traceback.
+    full = subprocess.run(
+        [sys.executable, "-m", "lowtrain", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "HYDRA_FULL_ERROR": "1"},
+    )
+    assert full.returncode != 0 and "Traceback" in full.stderr
+
+
+@pytest.mark.slow  # two CLI runs; the Python API's test is in the default suite
+@pytest.mark.parametrize("recipe", ["mnist_fp32", "mnist_fp8"])
+def test_a_run_that_diverges_to_finite_losses_exits_1_in_one_line(tmp_path, recipe):
+    folder = fake_mnist(tmp_path / "idx")
+    done = _cli(
+        f"recipe={recipe}",
+        f"data.path={folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        *TINY_MNIST,
+        "trainer.steps=60",
+        "optimizer.lr=1e4",
+        "trainer.diverge_patience=5",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("lowtrain: The ") and "Traceback" not in done.stderr
+    assert "diverged" in line or "The loss is" in line
+    assert "test accuracy" not in done.stdout
+
+
+@pytest.mark.parametrize(
+    "arg, close",
+    [
+        ("trainer.stepz=5", "`trainer.steps`"),
+        ("recipe=mnist_fp88", "`recipe=mnist_fp8`"),
+        ("modle=cnn", "`mode` or `model`"),
+        ("model.hiden=[8]", "`model.hidden`"),
+    ],
+)
+def test_a_mistyped_key_or_option_names_the_close_valid_ones(tmp_path, arg, close):
+    done = _cli(arg, "hydra.run.dir=run", cwd=tmp_path)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("lowtrain: Expected ") and f"Did you mean {close}" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_is_lowtrains_page():
+    done = subprocess.run(
+        [sys.executable, "-m", "lowtrain", "--help"], capture_output=True, text=True
+    )
+    assert done.returncode == 0
+    page = done.stdout
+    for needed in (
+        "mode=",
+        "checkpoint=",
+        "task=",
+        "recipe=",
+        "precision=",
+        "Examples",
+    ):
+        assert needed in page, needed
+    assert "schema/" not in page and "--hydra-help" in page
+    assert len(page.splitlines()) < 60
 
 
 def test_a_diverged_fp16_run_exits_non_zero(tmp_path):

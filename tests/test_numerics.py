@@ -187,7 +187,10 @@ def test_value_and_grad_has_both_passes_and_same_outputs(getkey):
     w = jax.random.normal(getkey(), (32, 16))
     fn = jax.value_and_grad(_two_scopes, argnums=1)
     out, report = track(fn)(x, w)
-    assert same_bits(jax.tree.leaves(out), jax.tree.leaves(jax.jit(fn)(x, w)))
+    # The outputs of the program as written, to float32 rounding (the tracked
+    # program is not fused as the jitted one is: a multiply-add may round apart).
+    for ours, theirs in zip(jax.tree.leaves(out), jax.tree.leaves(jax.jit(fn)(x, w))):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=0)
     passes = {r["pass"] for r in report.rows}
     assert passes == {"fwd", "bwd"}
     bwd_dots = [r for r in report.rows if r["pass"] == "bwd"]

@@ -124,7 +124,10 @@ def test_keep_op_is_the_matmul_as_written_with_shadow_casts(getkey):
     kept = uu.simulate_fp8(_two_heads, keep=["right"])
     plain = jax.grad(_two_heads, argnums=(0, 1))(w1, w2, x)
     grads = jax.grad(kept, argnums=(0, 1))(w1, w2, x)
-    np.testing.assert_array_equal(grads[1], plain[1])  # `right` as written
+    # `right` as written: its gradient is the plain one's to float32 rounding (XLA
+    # may contract a multiply-add differently in the two programs on some CPUs),
+    # where FP8 would be off by percents.
+    np.testing.assert_allclose(grads[1], plain[1], rtol=1e-6, atol=0)
     assert not np.array_equal(grads[0], plain[0])  # `left` in FP8
     report = _casts(kept, w1, w2, x)
     applied = {

@@ -20,6 +20,7 @@ from .._interpret import (
     FlatCall,
     Interpreter,
     call_transformed,
+    nnx_variables,
     write_back,
 )
 from ..fp8.internal import delayed_dot_config, static_dot_config
@@ -309,7 +310,17 @@ def _batched_call(frame, fn, policy: Policy, args, kwargs):
         it = iter(xs)
         full = [next(it) if a else x for x, a in zip(leaves, arrays)]
         f, a, k = jax.tree.unflatten(treedef, full)
+        variables = nnx_variables((f, a, k))
+        before = [v.get_value() for v in variables]
         dynamic, static = eqx.partition(f(*a, **k), eqx.is_array)
+        if any(v.get_value() is not b for v, b in zip(variables, before)):
+            raise TypeError(
+                "Expected the function under `jax.vmap(amp(...))` not to change its "
+                "inputs in place, got a change (a Flax NNX module's BatchNorm "
+                "statistics or RNG stream, say), which a per-example call cannot "
+                "keep. Call the module on the whole batch (`amp(model)(batch)`), or "
+                "batch it with `nnx.vmap`, which says what each state is mapped over."
+            )
         flat, out_tree = jax.tree.flatten(dynamic)
         out_structure[:] = [(out_tree, static)]
         return flat

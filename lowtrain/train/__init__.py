@@ -20,6 +20,8 @@ from ._data import from_iterable as from_iterable
 from ._finite import apply_if_finite as apply_if_finite
 from ._hooks import StepInfo as StepInfo
 from ._jit import async_filter_jit as async_filter_jit
+from ._lock import RunFolderLocked as RunFolderLocked
+from ._lock import RunLock as RunLock
 from ._loggers import CSVLogger as CSVLogger
 from ._loggers import JsonlLogger as JsonlLogger
 from ._loggers import Logger as Logger
@@ -35,6 +37,7 @@ from ._precisions import DelayedFp8 as DelayedFp8
 from ._precisions import Rewrite as Rewrite
 from ._precisions import Scalify as Scalify
 from ._precisions import UnitScale as UnitScale
+from ._preemption import Preempted as Preempted
 from ._protocol import Chain as Chain
 from ._protocol import Precision as Precision
 from ._state import TrainState as TrainState

@@ -32,10 +32,14 @@ complete checkpoints under their final names.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
+import os
 import pathlib
 import re
+import shutil
 import tempfile
 import zlib
 from typing import Any
@@ -199,6 +203,24 @@ def write_file_digests(path: pathlib.Path) -> None:
     pathlib.Path(f.name).replace(path / f"{_FILES}.process_{me}.json")
 
 
+def _digest_record(path: pathlib.Path, record: pathlib.Path) -> dict:
+    # A digests file as written (`write_file_digests`), or the checkpoint is corrupt.
+    try:
+        data = json.loads(record.read_text(encoding="utf-8"))
+        ok = isinstance(data.get("processes"), int) and isinstance(data["crc32"], dict)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, AttributeError) as e:
+        data, ok, why = None, False, f"{type(e).__name__}: {e}"
+    else:
+        why = "not the fields lowtrain writes"
+    if not ok or not all(isinstance(v, int) for v in data["crc32"].values()):
+        raise CheckpointCorruptError(
+            f"Checkpoint {path} is corrupt: its file digests {record.name} are "
+            f"damaged ({why}). Resume from an earlier checkpoint "
+            "(`Trainer.fit(resume=True)` does)."
+        )
+    return data
+
+
 def check_file_digests(path: pathlib.Path) -> None:
     """Raise `CheckpointCorruptError` unless every file the digests of `path`
     record is there with its CRC-32 (see `write_file_digests`)."""
@@ -209,7 +231,7 @@ def check_file_digests(path: pathlib.Path) -> None:
             "completed and checked (a crash during the save?). Resume from an "
             "earlier checkpoint."
         )
-    processes = json.loads(first.read_text(encoding="utf-8"))["processes"]
+    processes = _digest_record(path, first)["processes"]
     for i in range(processes):
         record = path / f"{_FILES}.process_{i}.json"
         if not record.is_file():
@@ -217,7 +239,7 @@ def check_file_digests(path: pathlib.Path) -> None:
                 f"Checkpoint {path} lacks {record.name}: process {i} did not finish "
                 "its part of the save. Resume from an earlier checkpoint."
             )
-        crcs = json.loads(record.read_text(encoding="utf-8"))["crc32"]
+        crcs = _digest_record(path, record)["crc32"]
         for name, crc in crcs.items():
             file = path / name
             if not file.is_file() or _crc(file) != crc:
@@ -350,6 +372,18 @@ def _read_meta(path: pathlib.Path, checkpointer) -> dict:
     return meta
 
 
+def check_checkpoint_files(path: pathlib.Path) -> None:
+    # Every file of a checkpoint checked against its digests before any is read. A
+    # `fit` step folder (`ckpt_<step>`) or a folder with any part of a checkpoint is
+    # one, damaged or not (an emptied step folder is corrupt); a path with nothing of
+    # one is left to `_read_meta`'s error, which says what was expected.
+    parts = ("meta", "arrays", f"{_FILES}.process_0.json")
+    if path.is_dir() and (
+        _NAME.match(path.name) or any((path / p).exists() for p in parts)
+    ):
+        check_file_digests(path)
+
+
 def _checkpointer() -> ocp.Checkpointer:
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
@@ -436,9 +470,9 @@ def load_checkpoint(path, like: PyTree) -> PyTree:
     """
     path = pathlib.Path(path).resolve()
     with _checkpointer() as checkpointer:
+        check_checkpoint_files(path)  # every file, the metadata's too, first
         meta = _read_meta(path, checkpointer)
         _check(path, meta, like)
-        check_file_digests(path)
         restored = _read_arrays(
             path, lambda: checkpointer.restore(path, args=_restore_args(like))
         )
@@ -461,15 +495,18 @@ def checkpoint_extra(path) -> dict:
     """
     path = pathlib.Path(path).resolve()
     with _checkpointer() as checkpointer:
+        check_checkpoint_files(path)
         return dict(_read_meta(path, checkpointer).get("extra") or {})
 
 
-def latest_checkpoint(directory) -> pathlib.Path | None:
+def latest_checkpoint(directory, *, check_files: bool = False) -> pathlib.Path | None:
     """The checkpoint with the highest step in `directory` that `fit` wrote, or None.
 
     Only complete checkpoints (directories named `ckpt_<step>`) count; the temporary
-    directories an interrupted save leaves are ignored. Nothing is read (see
-    `load_checkpoint`).
+    directories an interrupted save leaves and symbolic links are ignored. Nothing
+    is read (see `load_checkpoint`), unless `check_files`: then the newest whose
+    every file matches the digests saved with it, a damaged one set aside (renamed
+    `corrupt_ckpt_<step>`, with a warning) as `Trainer.fit(resume=True)` does.
 
     ```python
     import tempfile
@@ -479,7 +516,26 @@ def latest_checkpoint(directory) -> pathlib.Path | None:
     ```
     """
     found = list_checkpoints(directory)
-    return found[-1][1] if found else None
+    if not check_files:
+        return found[-1][1] if found else None
+    for _, path in reversed(found):
+        try:
+            check_file_digests(path)
+            return path
+        except CheckpointCorruptError as e:
+            _set_aside(path, e)
+    return None
+
+
+def _set_aside(path: pathlib.Path, error: CheckpointCorruptError) -> None:
+    # A damaged checkpoint, renamed: kept for a look, no longer a checkpoint.
+    aside = path.with_name(_CORRUPT + path.name)
+    if jax.process_index() == 0:
+        path.rename(aside)
+    log.warning("%s Set aside as %s; trying the one before.", error, aside.name)
+
+
+_LINKS_SEEN: set[pathlib.Path] = set()  # said once per process
 
 
 def list_checkpoints(directory) -> list[tuple[int, pathlib.Path]]:
@@ -491,7 +547,18 @@ def list_checkpoints(directory) -> list[tuple[int, pathlib.Path]]:
     found = []
     for p in directory.iterdir():
         m = _NAME.match(p.name)
-        if m and p.is_dir():
+        if m and p.is_symlink():
+            # Never a checkpoint: loading or rotating it would reach outside the run.
+            if p not in _LINKS_SEEN:
+                _LINKS_SEEN.add(p)
+                log.warning(
+                    "%s is a symbolic link (to %s), not a checkpoint this run wrote: "
+                    "ignored, never loaded nor deleted. Move it out of %s.",
+                    p,
+                    os.readlink(p),
+                    directory,
+                )
+        elif m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -555,7 +622,11 @@ class Checkpoints:
         self._check_pending()
         arrays = _saved_arrays(state)
         meta = _meta(state, arrays, extra)
-        self._manager.save(step, args=_args(arrays, meta), force=True)
+        try:
+            with _orbax_quiet():
+                self._manager.save(step, args=_args(arrays, meta), force=True)
+        except Exception as e:
+            self._failed(step, e)
         self._pending = (step, arrays, meta)
         if not self._asynchronous:
             self._check_pending()
@@ -565,14 +636,39 @@ class Checkpoints:
         # Wait for the last save, read it back, and only then rotate.
         if self._pending is None:
             return
-        self._manager.wait_until_finished()
         step, arrays, meta = self._pending
         self._pending = None
+        try:
+            with _orbax_quiet():
+                self._manager.wait_until_finished()
+        except Exception as e:
+            self._failed(step, e)
         path = self.directory / f"{_PREFIX}_{step:08d}"
         _read_back(path, lambda a: self._manager.restore(step, args=a), arrays, meta)
         write_file_digests(path)
-        for old in sorted(self._manager.all_steps())[: -self._keep]:
+        # The checkpoints this run wrote: folders, never a link to elsewhere.
+        ours = [step for step, _ in list_checkpoints(self.directory)]
+        for old in ours[: -self._keep]:
             self._manager.delete(old)
+
+    def _failed(self, step: int, error: Exception) -> None:
+        # A save that failed: a full disk is said in one sentence, its partial
+        # folder removed (the checkpoints before it are complete and untouched);
+        # anything else is raised as it is.
+        if not _disk_full(error):
+            raise error
+        for partial in self.directory.glob(f"{_PREFIX}_{step:08d}*"):
+            if partial.is_dir() and not partial.is_symlink():
+                shutil.rmtree(partial, ignore_errors=True)
+        kept = [p.name for _, p in list_checkpoints(self.directory)]
+        raise OSError(
+            errno.ENOSPC,
+            f"No space left on device while saving step {step} to {self.directory}: "
+            "the partial save was removed, the checkpoints before it are intact ("
+            + (", ".join(kept) or "none")
+            + "). Free space there (or pass a checkpoint folder with room) and "
+            "resume.",
+        ) from None
 
     def close(self) -> None:
         """Wait for a pending asynchronous save and check it; release orbax's
@@ -583,6 +679,31 @@ class Checkpoints:
             finally:
                 self._manager.close()
                 self._manager = None
+
+
+def _disk_full(error: BaseException) -> bool:
+    # ENOSPC, as Python raises it or as TensorStore words it (orbax's writer).
+    while error is not None:
+        if getattr(error, "errno", None) == errno.ENOSPC:
+            return True
+        text = str(error)
+        if "No space left on device" in text or "os_error_code='28'" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+@contextlib.contextmanager
+def _orbax_quiet():
+    # Orbax logs each of its threads' exceptions (with tracebacks) on the `absl`
+    # logger before raising the same one here, where it is reported once.
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def restore_latest(directory, like: PyTree) -> tuple[PyTree, pathlib.Path] | None:
@@ -602,10 +723,7 @@ def restore_latest(directory, like: PyTree) -> tuple[PyTree, pathlib.Path] | Non
             return load_checkpoint(path, like), path
         except CheckpointCorruptError as e:
             error = e
-            aside = path.with_name(_CORRUPT + path.name)
-            if jax.process_index() == 0:
-                path.rename(aside)
-            log.warning("%s Set aside as %s; trying the one before.", e, aside.name)
+            _set_aside(path, e)
     if error is not None:
         raise CheckpointCorruptError(
             f"No checkpoint in {directory} passes its checks (the last: {error}). "

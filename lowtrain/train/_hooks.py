@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -116,6 +117,23 @@ def positive_int(value, what: str, *, optional: bool = True) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"Expected an int `{what}` >= 1, got {value!r} instead.")
+    return value
+
+
+def finite_number(value, what: str, *, above: float) -> float | None:
+    """`value` checked to be a finite int or float > `above` (a bool is not), or
+    None."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not above < value < math.inf
+    ):
+        raise ValueError(
+            f"Expected `{what}` a finite number > {above:g} (or None), got {value!r} "
+            "instead."
+        )
     return value
 
 

@@ -33,13 +33,23 @@ from ._checkpoint import (
     restore_latest,
 )
 from ._data import restore_data_position, with_data_position
+from ._divergence import DivergenceCheck
 from ._finite import skip_nonfinite
-from ._hooks import Hook, StepInfo, positive_int
+from ._hooks import Hook, StepInfo, finite_number, positive_int
 from ._jit import async_filter_jit
+from ._lock import RunLock
 from ._metrics import LearningRates, global_norm
+from ._nnx import has_inplace_state, keep_inplace_state, read_inplace_state
 from ._numerics import NumericsRecorder
 from ._placement import constrain_state, data_mesh, put_state, shard_batch, step_batch
 from ._precisions import resolve
+from ._preemption import (
+    DEFAULT_STOP_SIGNALS,
+    Preempted,
+    SignalWatch,
+    agree,
+    check_stop_signals,
+)
 from ._protocol import Precision
 from ._state import TrainState
 
@@ -77,6 +87,11 @@ class Trainer:
       `min_scale`, or a non-finite loss whose gradients were finite (the step was
       applied: the loss reads values its gradients do not, such as labels outside
       the classes).
+    - `diverge_factor`, `diverge_patience`: `fit` also raises `FloatingPointError`
+      when a run diverges to finite values: its (positive) loss above
+      `diverge_factor` (default 1e4) times the best loss of the fit, and above its
+      first, at `diverge_patience` (default 20) checked steps in a row, in any
+      precision. `diverge_factor=None` turns it off.
     - `learning_rate`: a number or an Optax schedule, only for logging, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
     - `numerics_every=N`: reports in `fit` (`self.numerics`, a `NumericsRecorder`).
@@ -91,7 +106,14 @@ class Trainer:
     - `model_state`: the state of a stateful model (`eqx.nn.State`, from
       `eqx.nn.make_with_state`: BatchNorm, spectral norm), carried in
       `TrainState.model_state`, checkpointed and resumed with it; `loss` then takes
-      it and returns its new value (see `loss`).
+      it and returns its new value (see `loss`). A Flax NNX model needs none: what
+      its calls change in place (BatchNorm's running statistics, a dropout RNG
+      stream's count) is read off it after `loss` and kept in `state.model` where
+      the step is applied, as `nnx.jit` writes it back; it is checkpointed with the
+      model, so a resumed run continues the RNG stream. With `grad_accum=K` the K
+      micro-batches start from the same state (and draw the same dropout masks):
+      the floats they leave are averaged (as `model_state`'s), the rest taken from
+      the last.
 
     Override points: `loss(self, model, batch, *, key)` (required) returns a float
     scalar, or `(loss, aux)`; `evaluate(self, model, batch)` returns a dict of scalar
@@ -142,6 +164,8 @@ class Trainer:
         numerics_every: int | None = None,
         max_consecutive_skips: int | None = 20,
         model_state: PyTree = None,
+        diverge_factor: float | None = 1e4,
+        diverge_patience: int = 20,
     ):
         check_trainer_args(type(self), type(self).loss is Trainer.loss, optimizer)
         self.precision = resolve(precision)
@@ -154,6 +178,10 @@ class Trainer:
             )
         self.model = model
         self.model_state = check_model_state(model_state)
+        # A Flax NNX model's state changed in place (BatchNorm statistics, RNG
+        # counts) is read after the loss and kept where the step is applied.
+        self._inplace = has_inplace_state(model)
+        self._stateful = self._inplace or self.model_state is not None
         self.loss_scale = loss_scale
         self.redo_on_nan, self.grad_accum = check_counts(redo_on_nan, grad_accum)
         if stop_on_nonfinite is None:
@@ -162,6 +190,7 @@ class Trainer:
         self.max_consecutive_skips = positive_int(
             max_consecutive_skips, "max_consecutive_skips"
         )
+        self._divergence = DivergenceCheck(diverge_factor, diverge_patience)
         self.learning_rate = learning_rate
         self.devices, self.mesh, self.sharding = data_mesh(devices, sharding)
         self.optimizer = skip_nonfinite(optimizer, self.devices)
@@ -217,9 +246,10 @@ class Trainer:
         ((loss, aux), grads, extra), loss_scale, finite = self.loss_and_grads(
             state, batch
         )
-        model_state = state.model_state
+        model_state, inplace = state.model_state, None
+        if self._stateful:
+            aux, new, inplace = aux
         if self.model_state is not None:
-            aux, new = aux
             model_state = jax.tree.map(
                 lambda n, o: jnp.where(finite, n.astype(o.dtype), o),
                 new,
@@ -238,6 +268,8 @@ class Trainer:
             state.model,
         )
         model = p.merge(model, extra)
+        if inplace is not None:
+            model = keep_inplace_state(model, inplace, state.model, finite)
         new_state = TrainState(
             state.step + 1, model, opt_state, loss_scale, state.key, model_state
         )
@@ -281,6 +313,7 @@ class Trainer:
                 "batch holds inf/NaN. Lower the learning rate, check batch "
                 f"`data({step})`, or train in bf16 (float32's range)."
             )
+        self._divergence.update(step, loss)
         limit = self.max_consecutive_skips
         if limit is not None and in_a_row >= limit:
             raise FloatingPointError(
@@ -328,8 +361,8 @@ class Trainer:
         `((loss, aux), grads, extra), new_loss_scale, finite` of the step's loss on
         `batch`, with gradient accumulation, FSDP's gather, loss scaling and redo
         as configured (`extra`: what the precision splits off the gradients; with a
-        `model_state`, `aux` is `(aux, new_model_state)`). What `numerics_every`
-        reports on."""
+        `model_state` or a Flax NNX model with state, `aux` is `(aux,
+        new_model_state, new_nnx_state)`). What `numerics_every` reports on."""
         loss = functools.partial(self._loss_with_aux, model_state=state.model_state)
         value_and_grad = accumulated_value_and_grad(
             loss,
@@ -344,13 +377,14 @@ class Trainer:
         return value_and_grad(state.loss_scale, state.model, batch, key=key)
 
     def _loss_with_aux(self, model, batch, *, key, model_state=None):
-        if self.model_state is None:
-            out = self.loss(self.precision.wrap_model(model), batch, key=key)
-            return out if isinstance(out, tuple) else (out, None)
-        state = {"state": model_state}
+        state = {} if self.model_state is None else {"state": model_state}
         out = self.loss(self.precision.wrap_model(model), batch, key=key, **state)
+        if not self._stateful:
+            return out if isinstance(out, tuple) else (out, None)
         loss, aux, new = split_loss(out, state)
-        return loss, (aux, new)
+        # A Flax NNX model's calls have set its new state on `model` itself.
+        inplace = read_inplace_state(model) if self._inplace else None
+        return loss, (aux, new, inplace)
 
     @functools.cached_property
     def _numerics_step(self) -> Callable:
@@ -428,6 +462,8 @@ class Trainer:
         checkpoint_extra: dict | None = None,
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[Logger] = (),
+        checkpoint_every_minutes: float | None = None,
+        stop_signals: Sequence[str | int] | None = DEFAULT_STOP_SIGNALS,
     ) -> TrainState:
         """Train from `state` until `state.step == steps`, and return the new state.
 
@@ -472,6 +508,18 @@ class Trainer:
           after the step's log and save, in the order the `Callback` docstring
           lists; one may stop the run (`info.stop()` or `StopTraining`): that
           step is saved and `fit` returns.
+        - `checkpoint_every_minutes`: also save when that many minutes have passed
+          since the last save (or the start), checked after every step (in a
+          multi-process run, at the steps that log), so a hard kill loses bounded
+          time whatever the step time.
+        - `stop_signals` (default SIGTERM and SIGINT; add "SIGUSR1" for SLURM's
+          notice before a requeue; None: none): on the first, the step in flight
+          finishes, is logged and saved (synchronously: pending asynchronous saves
+          completed, loggers flushed), and `fit` raises `lowtrain.train.Preempted`
+          (the step, the path, the signal; `exit_code` 128 + its number). A second
+          one acts at once, as without the watch. `resume=True` continues exactly.
+          In a multi-process run the processes agree at the next step that logs:
+          any one signalled stops them all at the same step.
         - A run that stops training raises `FloatingPointError` (see `Trainer`:
           `stop_on_nonfinite`, `max_consecutive_skips`). It is checked one step
           late, so the device never waits for it, except at steps that log,
@@ -489,14 +537,26 @@ class Trainer:
             checkpoint_every=checkpoint_every,
             keep_checkpoints=keep_checkpoints,
             resume=resume,
+            checkpoint_every_minutes=checkpoint_every_minutes,
         )
+        watch = SignalWatch(check_stop_signals(stop_signals))
         callbacks = check_callbacks(callbacks)
         loggers = check_loggers(loggers)
-        state, saver, resumed = resume_or_check_empty(
-            state, plan, resume, async_checkpoint
-        )
-        restore_data_position(data, resumed)
-        start, is_main = int(state.step), jax.process_index() == 0
+        is_main = jax.process_index() == 0
+        # One run per checkpoint folder (process 0 holds it for the run's processes).
+        lock = RunLock(plan.checkpoint_dir) if plan.checkpoint_dir and is_main else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            state, saver, resumed = resume_or_check_empty(
+                state, plan, resume, async_checkpoint
+            )
+            restore_data_position(data, resumed)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        start = int(state.step)
         if metrics_file and is_main:
             from ._loggers import JsonlLogger
 
@@ -514,11 +574,22 @@ class Trainer:
         clock = (start, time.perf_counter())  # (step, time) the throughput window began
         pending = None  # (step, loss) not yet checked by stop_on_nonfinite
         extra = lambda: with_data_position(checkpoint_extra, data)
+        single = jax.process_count() == 1
+        last_save, saved, signum = time.monotonic(), None, None
         try:
+            watch.install()
+            self._divergence.reset()
             for c in callbacks:
                 c.on_fit_start(self, state)
             for s in range(start, plan.total):
-                batch = step_batch(self.devices, self.mesh, data(s))
+                batch = data(s)
+                if any(np.shape(x)[:1] == (0,) for x in jax.tree.leaves(batch)):
+                    raise ValueError(
+                        f"Expected a batch with at least one row from `data({s})`, "
+                        "got 0 rows. Check the data source (a filter that removed "
+                        "everything, a dataset smaller than one batch)."
+                    )
+                batch = step_batch(self.devices, self.mesh, batch)
                 self.numerics.maybe_record(
                     self._numerics_step, state, batch, s, metrics_file
                 )
@@ -530,6 +601,18 @@ class Trainer:
                 log_now, eval_now = plan.log_at(done), plan.eval_at(done)
                 save_now = plan.save_at(done)
                 sync = bool(hooks or calls) or log_now or eval_now or save_now
+                # A stop signal, a save on time: looked at every step by one
+                # process; agreed at the steps every process syncs at by many.
+                due = plan.save_due(time.monotonic() - last_save)
+                if single:
+                    signum = watch.received
+                elif sync:
+                    signum, due = agree(watch.received, due)
+                else:
+                    due = False
+                save_now = save_now or due or plan.can_save(signum is not None)
+                log_now = log_now or signum is not None
+                sync = sync or save_now or log_now
                 if pending is not None:
                     self._check_health(*pending)
                 floor = getattr(state.loss_scale, "min_scale", None)
@@ -552,7 +635,10 @@ class Trainer:
                     for logger in loggers:
                         logger.log_metrics(info.record, done)
                 if save_now:  # every process: each writes its shards
-                    self._save(saver, info, extra(), callbacks)
+                    saved = self._save(saver, info, extra(), callbacks)
+                    last_save = time.monotonic()
+                if signum is not None:
+                    break  # no callbacks: the run is being stopped from outside
                 try:
                     if eval_now:
                         for c in callbacks:
@@ -572,9 +658,12 @@ class Trainer:
             if pending is not None:
                 self._check_health(*pending)
             saver.close()  # waits for an asynchronous save and checks it
+            if signum is not None:
+                raise Preempted(signum, int(state.step), saved)
             for c in callbacks:
                 c.on_fit_end(self, state)
         finally:
+            watch.restore()
             bar.close()
             saver.close()
             for logger in loggers:
@@ -584,12 +673,15 @@ class Trainer:
             if metrics_file and is_main:
                 loggers[0].close()  # the JsonlLogger made here
             self.fit_plan = None
+            if lock is not None:
+                lock.release()
         return state
 
-    def _save(self, saver, info: StepInfo, extra, callbacks) -> None:
+    def _save(self, saver, info: StepInfo, extra, callbacks) -> pathlib.Path:
         path = saver.save(info.step, info.state, extra)
         for c in callbacks:
             c.on_checkpoint(self, info, path)
+        return path
 
 
 def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:
@@ -660,6 +752,7 @@ class FitPlan:
     checkpoint_every: int | None
     checkpoint_dir: pathlib.Path | None
     keep_checkpoints: int
+    checkpoint_every_minutes: float | None = None
 
     def log_at(self, step: int) -> bool:
         return bool(self.log_every and step % self.log_every == 0) or step == self.total
@@ -676,6 +769,14 @@ class FitPlan:
         every = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
         return every or step == self.total
 
+    def save_due(self, seconds_since_save: float) -> bool:
+        """Whether `checkpoint_every_minutes` have passed since the last save."""
+        minutes = self.checkpoint_every_minutes
+        return self.can_save(bool(minutes) and seconds_since_save >= 60 * minutes)
+
+    def can_save(self, wanted: bool) -> bool:
+        return wanted and self.checkpoint_dir is not None
+
 
 def plan_fit(
     state: Any,
@@ -690,6 +791,7 @@ def plan_fit(
     checkpoint_every,
     keep_checkpoints,
     resume,
+    checkpoint_every_minutes=None,
 ) -> FitPlan:
     """Check `Trainer.fit`'s arguments (see there) and return its `FitPlan`."""
     if not callable(data):
@@ -728,10 +830,13 @@ def plan_fit(
         raise ValueError(
             f'Expected `resume` True, False or "auto", got {resume!r} instead.'
         )
-    if (checkpoint_every or resume) and checkpoint_dir is None:
+    minutes = finite_number(
+        checkpoint_every_minutes, "checkpoint_every_minutes", above=0
+    )
+    if (checkpoint_every or minutes or resume) and checkpoint_dir is None:
         raise ValueError(
-            "Expected a `checkpoint_dir` with `checkpoint_every` or `resume`, got "
-            "None instead."
+            "Expected a `checkpoint_dir` with `checkpoint_every`, "
+            "`checkpoint_every_minutes` or `resume`, got None instead."
         )
     return FitPlan(
         total=total,
@@ -741,6 +846,7 @@ def plan_fit(
         checkpoint_every=checkpoint_every,
         checkpoint_dir=None if checkpoint_dir is None else pathlib.Path(checkpoint_dir),
         keep_checkpoints=keep_checkpoints,
+        checkpoint_every_minutes=minutes,
     )
 
 

@@ -32,7 +32,7 @@ from ._checkpoint import (
     _is_key,
     _read_arrays,
     _read_meta,
-    check_file_digests,
+    check_checkpoint_files,
     list_checkpoints,
     verify,
 )
@@ -239,6 +239,7 @@ def load_model(path, like_model: PyTree, like_state: PyTree | None = None):
         likes["model_state"] = like_state
     try:
         with _checkpointer() as checkpointer:
+            check_checkpoint_files(path)  # every file, the metadata's too, first
             meta = _read_meta(path, checkpointer)
             if meta.get("format") != _FORMAT:
                 raise ValueError(
@@ -257,7 +258,6 @@ def load_model(path, like_model: PyTree, like_state: PyTree | None = None):
                 for field, like in likes.items()
                 for i, (_, x) in zip(indices[field], _targets(like))
             }
-            check_file_digests(path)
             # Orbax reads the arrays wanted and skips the placeholders (the
             # optimizer state, the step, the key, ...).
             targets = [

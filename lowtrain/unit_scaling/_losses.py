@@ -64,6 +64,9 @@ def cross_entropy(
     logits = scale_fwd(scale_bwd(logits, vocab / (vocab - 1) ** 0.5), mult)
     logits = at_least_float32(logits)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
+    # A label outside [0, vocab) reads NaN (the gather's fill), never a class
+    # counted from the end.
+    labels = jnp.where(labels < 0, vocab, labels)
     picked = jnp.take_along_axis(log_probs, labels[..., None], axis=-1)
     return scale_fwd(-jnp.sum(picked), 1 / batch)
 

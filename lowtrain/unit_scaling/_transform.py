@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from .._eqn import Eqn, is_float
-from .._interpret import FlatCall, Interpreter
+from .._interpret import FlatCall, Interpreter, write_back
 from . import constraints as _constraints
 from ._scale import scale_bwd, scale_fwd
 
@@ -353,7 +353,7 @@ def _unit_scale_call(fn, constraint, args, kwargs):
         *call.inputs
     )
     outs = _UnitScaleInterpreter(constraint).eval_jaxpr(flat, call.inputs)
-    return call.rebuild(outs)
+    return call.rebuild(outs), call.updates
 
 
 class _UnitScale(eqx.Module):
@@ -365,7 +365,10 @@ class _UnitScale(eqx.Module):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        return _unit_scale_call(self.fn, self.constraint, args, kwargs)
+        out, updates = _unit_scale_call(self.fn, self.constraint, args, kwargs)
+        # Flax NNX state the call changed in place, set on the caller's objects.
+        write_back((self.fn, args, kwargs), updates)
+        return out
 
 
 def unit_scale(fn: Callable, *, constraint=_constraints.gmean) -> Callable:
