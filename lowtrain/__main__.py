@@ -161,7 +161,7 @@ def main(cfg: DictConfig) -> float:
         print(f"lowtrain: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        summary = _run.run(cfg, output_dir)
+        summary = _run.run(cfg, output_dir, list(HydraConfig.get().overrides.task))
     except RunFolderLocked as e:  # another launch trains there: nothing written
         logging.shutdown()
         print(f"lowtrain: {e}", file=sys.stderr)
@@ -230,8 +230,30 @@ def _raised_here(e: BaseException) -> bool:
     return any(folder in where for folder in _OURS)
 
 
+def _with_recipe_of_checkpoint(args: list[str]) -> list[str]:
+    """`args` of `mode=evaluate|sample checkpoint=<run>` without a `recipe=`: with
+    the recipe the run was trained with (its saved config's task and precision),
+    so that the command line's model and data keys compose against the run's own
+    schemas; `_run.from_checkpoint` then takes the rest from the checkpoint."""
+    given = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
+    if given.get("mode") not in ("evaluate", "sample") or "recipe" in given:
+        return args
+    if "checkpoint" not in given:
+        return args
+    try:
+        path = _run.checkpoint_path(given["checkpoint"])
+        saved = lowtrain.checkpoint_extra(path).get("config") or {}
+    except (ValueError, OSError, CheckpointCorruptError):
+        return args  # the run says what is wrong with it, in one line
+    recipe = f"{saved.get('task')}_{(saved.get('precision') or {}).get('name')}"
+    if recipe in _group_options().get("recipe", []):
+        return [*args, f"recipe={recipe}"]
+    return args
+
+
 if __name__ == "__main__":
     sys.argv = _multirun_first(sys.argv)  # Hydra parses `sys.argv` in `main`
+    sys.argv = [sys.argv[0], *_with_recipe_of_checkpoint(sys.argv[1:])]
     error = None if _full_error() else _check_overrides(sys.argv[1:])
     if error is not None:  # before Hydra makes a run folder
         print(f"lowtrain: {error}", file=sys.stderr)

@@ -14,15 +14,16 @@ import time
 
 import hydra.utils
 import jax
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 import lowtrain
 
 from . import _common, _distributed
 from ._common import numerics_summary
-from ._config import Config
+from ._config import SCHEMAS, Config, TrainerConfig
 from ._plots import plot_metrics
 from ._task import Task, load_task
 
@@ -99,14 +100,20 @@ def compile_options(config: Config) -> None:
     log.info("compilation cache: %s", folder or "off")
 
 
-def run(cfg: DictConfig, output_dir) -> dict:
+def run(cfg: DictConfig, output_dir, overrides: list[str] | None = None) -> dict:
     """Train the recipe `cfg` names; write everything to `output_dir`; return the
     summary (also in `output_dir/summary.json`).
 
     With a `distributed` config, `jax.distributed` starts first; every process calls
     `run`, trains its share of each batch and writes its checkpoint shards, in process
     0's `output_dir` (see `_distributed.py`); process 0 alone writes the config,
-    metrics, plots and summary."""
+    metrics, plots and summary.
+
+    `mode=evaluate|sample` with `overrides` (the command line's): the model, data,
+    precision, optimizer and trainer are the checkpoint's own (its saved config;
+    `from_checkpoint`), changed only where `overrides` change them."""
+    if cfg.mode != "train" and overrides is not None and cfg.checkpoint is not None:
+        cfg = from_checkpoint(cfg, checkpoint_path(cfg.checkpoint), overrides)
     config = check(cfg)
     compile_options(config)  # before JAX uses a device: XLA reads its flags then
     _distributed.initialize(config.distributed)  # before any JAX computation
@@ -188,6 +195,53 @@ def checkpoint_path(given: str) -> pathlib.Path:
             "the run directory a training run printed (outputs: ...)."
         )
     return found
+
+
+# The nodes of a run's config that make its model what it is: taken from the
+# checkpoint by `mode=evaluate|sample`.
+_TRAINED = ("task", "model", "data", "optimizer", "precision", "trainer")
+
+
+def from_checkpoint(cfg: DictConfig, path: pathlib.Path, overrides: list[str]):
+    """`cfg` with the nodes of `_TRAINED` replaced by those of the config saved with
+    the checkpoint at `path` (the run's resolved config), each typed by its schema,
+    and the command line's `overrides` of their keys applied on top; a node whose
+    group the command line selects (`model=cnn`) stays as composed. A checkpoint
+    without a saved config leaves `cfg` as it is."""
+    saved = lowtrain.checkpoint_extra(path).get("config") or {}
+    if not saved:
+        return cfg
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    given = {o.key_or_group: o for o in parsed if not o.is_delete()}
+    cfg = cfg.copy()
+    for node in _TRAINED:
+        if node not in saved or node in given:
+            continue
+        if node == "task":
+            cfg.task = saved["task"]
+            continue
+        typed = _typed(node, saved[node])
+        with open_dict(typed):
+            for key, o in given.items():
+                if key.startswith(f"{node}."):
+                    OmegaConf.update(typed, key.split(".", 1)[1], o.value(), merge=True)
+        cfg[node] = typed
+    return cfg
+
+
+def _typed(node: str, values: dict) -> DictConfig:
+    # `values` (a saved node, plain JSON) under the schema of its group whose keys
+    # it has: the checks and types a composed node gets.
+    if node == "trainer":
+        schemas = [TrainerConfig]
+    else:
+        schemas = [c for path, c in SCHEMAS.items() if path.split("/")[0] == node]
+    keys = lambda c: {f.name for f in dataclasses.fields(c)}
+    schema = max(
+        schemas, key=lambda c: len(keys(c) & set(values)) - len(keys(c) ^ set(values))
+    )
+    known = {k: v for k, v in values.items() if k in keys(schema)}
+    return OmegaConf.merge(OmegaConf.structured(schema), known)
 
 
 def use_checkpoint(task: Task, config: Config, cfg: DictConfig) -> dict:

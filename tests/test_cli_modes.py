@@ -76,3 +76,51 @@ def test_mode_needs_a_checkpoint_that_exists(tmp_path):
             make_config("recipe=mnist", "mode=evaluate", f"checkpoint={tmp_path}"),
             tmp_path / "unused",
         )
+
+
+@pytest.mark.slow  # a GPT trained, then three uses of its checkpoint
+def test_sample_and_evaluate_rebuild_the_model_from_the_checkpoint(tmp_path, capsys):
+    # The checkpoint holds the run's resolved config: `mode=sample|evaluate` with
+    # only `checkpoint=` rebuild its model, data and precision from it (the
+    # composed default would be MNIST's MLP); a key given on the command line wins.
+    text = _text(tmp_path)
+    run = tmp_path / "run"
+    summary = _run.run(
+        make_config("recipe=gpt_bf16", f"data.path={text}", *TINY_GPT), run
+    )
+    capsys.readouterr()
+    given = ["mode=evaluate", f"checkpoint={run}"]
+    evaluated = _run.run(make_config(*given), tmp_path / "unused", overrides=given)
+    assert evaluated["final"]["eval_loss"] == pytest.approx(
+        summary["final"]["val_loss"], rel=1e-6
+    )
+    capsys.readouterr()
+    given = ["mode=sample", f"checkpoint={run}", "sample.prompt=to be"]
+    given += ["sample.length=20"]
+    _run.run(make_config(*given), tmp_path / "unused", overrides=given)
+    out = capsys.readouterr().out.rstrip("\n")
+    assert out.startswith("to be") and len(out) == len("to be") + 20
+    # A model option given that the checkpoint does not hold: refused, named.
+    given = ["mode=evaluate", f"checkpoint={run}", "recipe=gpt", "model.n_embd=32"]
+    with pytest.raises(ValueError, match="n_embd|shape|expected"):
+        _run.run(make_config(*given), tmp_path / "unused", overrides=given)
+
+
+@pytest.mark.slow  # two launches; the in-process test above is in the default suite
+def test_the_cli_evaluates_a_run_from_its_checkpoint_alone(tmp_path):
+    # `python -m lowtrain mode=evaluate checkpoint=<run>`: no recipe, no model
+    # options; a model key of the run's model (not the default's) may be given.
+    import subprocess
+    import sys
+
+    text = _text(tmp_path)
+    args = ["recipe=gpt_bf16", f"data.path={text}", *TINY_GPT, "hydra.run.dir=run"]
+    cli = lambda *a: subprocess.run(
+        [sys.executable, "-m", "lowtrain", *a], cwd=tmp_path, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    trained = cli(*args)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    done = cli("mode=evaluate", "checkpoint=run", "trainer.eval_batch_size=4")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "eval loss:" in done.stdout
