@@ -670,6 +670,12 @@ def test_a_config_error_is_one_line_exit_2_and_no_run_dir(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_a_learning_rate_must_be_a_finite_positive_number(value):
+    with pytest.raises(ValueError, match="optimizer.lr"):
+        _run.check(make_config(f"optimizer.lr={value}"))
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
