@@ -29,9 +29,8 @@ def maybe_jit(request):
 
 # The default suite's budget is 8 minutes on 2 cores (`pytest -n auto`). The tests
 # measured slowest there (4 s or more in a loaded run's `--durations=0`, 7 s in an
-# unloaded one; the
-# model zoo excepted, which the default suite runs one policy per model) run in the
-# slow suite, `pytest -m slow`, with those marked in their files.
+# unloaded one; the model zoo excepted, whose default cases `tests/test_zoo.py`
+# chooses) run in the slow suite, `pytest -m slow`, with those marked in their files.
 MEASURED_SLOW = {
     "tests/test_accumulate.py": [
         "test_four_micro_batches_of_8_update_as_one_batch_of_32",

@@ -31,6 +31,7 @@ from lowtrain.recipes import _config, _run
 
 from .helpers import fake_mnist
 from .test_docs import PAGES, README, ROOT
+from .test_recipes import RECIPES
 
 _config.register()
 
@@ -358,6 +359,23 @@ def _first_run(command: Command, tiny: list[str], cwd: pathlib.Path) -> None:
             _run.run(_compose(base, *tiny), cwd / value)
 
 
+def _with_run_recipe(command: Command) -> Command:
+    # A command that names only a run (`mode=sample checkpoint=outputs/gpt_bf16/
+    # <run>`, which takes its config from the run's checkpoint): sized and trained
+    # as the recipe the run's folder is named after.
+    overrides, _ = command.hydra_args()
+    if any(o.startswith("recipe=") for o in overrides):
+        return command
+    for override in overrides:
+        key, _, value = override.partition("=")
+        recipe = pathlib.Path(value).parent.name
+        if key in _RUN_KEYS and recipe in RECIPES:
+            return dataclasses.replace(
+                command, argv=(*command.argv, f"recipe={recipe}")
+            )
+    return command
+
+
 def _not_run(command: Command) -> list:
     # The skip marks of NOT_RUN's patterns in `command`: the report says why.
     why = [why for pattern, why in NOT_RUN.items() if pattern in str(command)]
@@ -376,13 +394,13 @@ def test_documented_lowtrain_command_runs(command, tmp_path, command_path):
     }
     data["text"].write_text(_TEXT)
     command_path(command)
-    tiny = _tiny(command, data)
+    tiny = _tiny(_with_run_recipe(command), data)
     # The command runs in an empty folder, where its outputs/ and multirun/ land;
     # its relative paths into the checkout (tests/user_task) go through a link.
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     (cwd / "tests").symlink_to(ROOT / "tests")
-    _first_run(command, tiny, cwd)
+    _first_run(_with_run_recipe(command), tiny, cwd)
     # The command's own words, `-m` where it stands, the tiny overrides after its
     # last override: after a flag (`--cfg job`) Hydra's argparse takes none.
     words = [_PLACEHOLDER.sub(r"\1", w) for w in command.argv[1:]]
