@@ -333,6 +333,13 @@ def test_best_checkpoint_needs_a_directory():
         _fit_with([BestCheckpoint()])
 
 
+def test_callbacks_that_act_at_evaluations_need_eval_data(tmp_path):
+    # Without eval data they would never act: said when `fit` starts.
+    for callback in (EarlyStopping(), BestCheckpoint(directory=tmp_path)):
+        with pytest.raises(ValueError, match=r"expected `fit\(eval_data=...\)`"):
+            _fit_with([callback])
+
+
 # -- evaluation ----------------------------------------------------------------
 
 

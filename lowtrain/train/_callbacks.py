@@ -161,6 +161,18 @@ def _monitored(info: StepInfo, monitor: str, who: str) -> float:
     return float(record[monitor])
 
 
+def _check_evaluates(trainer, monitor: str, who: str) -> None:
+    # A callback that acts at evaluations, in a fit that never evaluates, would
+    # never act: said at the start, not discovered after the run.
+    plan = getattr(trainer, "fit_plan", None)  # None: called outside `fit`
+    if plan is not None and plan.eval_data is None:
+        raise ValueError(
+            f"{who}: expected `fit(eval_data=...)` to watch {monitor!r} (it acts at "
+            "each evaluation), got no eval data: it would never act. Pass "
+            "`eval_data` (and `eval_every`) to `fit`."
+        )
+
+
 def _check_mode(mode: str, who: str) -> None:
     if mode not in ("min", "max"):
         raise ValueError(f'{who}: expected mode "min" or "max", got {mode!r} instead.')
@@ -223,6 +235,7 @@ class EarlyStopping(Callback):
         return value > self.best + self.min_delta
 
     def on_fit_start(self, trainer, state) -> None:
+        _check_evaluates(trainer, self.monitor, "EarlyStopping")
         self.wait, self.stopped_step = 0, None
 
     def on_eval_end(self, trainer, info) -> None:
@@ -299,6 +312,7 @@ class BestCheckpoint(Callback):
                     "`BestCheckpoint(directory=...)`, got neither. Pass one."
                 )
             directory = parent / _BEST
+        _check_evaluates(trainer, self.monitor, "BestCheckpoint")
         self.directory = directory.resolve()
         self.kept = _ranked(self.directory, self.mode)  # a resumed run's
 
