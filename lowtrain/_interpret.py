@@ -354,13 +354,22 @@ class FlatCall:
         )
 
 
-def nnx_variables(tree) -> list:
-    """The Flax NNX `Variable`s in `tree` (none where `flax.nnx` is not imported)."""
+def variable_owners(tree, *, is_leaf=None) -> list:
+    """Per leaf of `jax.tree.leaves(tree, is_leaf=is_leaf)`: the Flax NNX `Variable`
+    that holds it, or None (all None where `flax.nnx` is not imported)."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
-        return []
+        return [None] * len(jax.tree.leaves(tree, is_leaf=is_leaf))
     variable = lambda x: isinstance(x, nnx.Variable)
-    return [v for v in jax.tree.leaves(tree, is_leaf=variable) if variable(v)]
+    owners = []
+    for node in jax.tree.leaves(
+        tree, is_leaf=lambda x: variable(x) or bool(is_leaf and is_leaf(x))
+    ):
+        if variable(node):
+            owners.extend([node] * len(jax.tree.leaves(node, is_leaf=is_leaf)))
+        else:
+            owners.append(None)
+    return owners
 
 
 def write_back(tree, updates, *, is_leaf=None) -> None:
@@ -369,20 +378,12 @@ def write_back(tree, updates, *, is_leaf=None) -> None:
     those leaves: Flax NNX `Variable`s."""
     if not updates:
         return
-    nnx = sys.modules.get("flax.nnx")
-    variable = (lambda x: isinstance(x, nnx.Variable)) if nnx is not None else None
-    owners = []  # per array leaf: (its Variable or None)
-    for node in jax.tree.leaves(
-        tree,
-        is_leaf=lambda x: (
-            (variable is not None and variable(x)) or bool(is_leaf and is_leaf(x))
-        ),
-    ):
-        if variable is not None and variable(node):
-            inner = jax.tree.leaves(node, is_leaf=is_leaf)
-            owners.extend(node if eqx.is_array(x) else None for x in inner)
-        elif eqx.is_array(node) or bool(is_leaf and is_leaf(node)):
-            owners.append(None)
+    leaves = jax.tree.leaves(tree, is_leaf=is_leaf)
+    owners = [  # per input (array) leaf, as FlatCall counts them
+        owner
+        for owner, x in zip(variable_owners(tree, is_leaf=is_leaf), leaves, strict=True)
+        if eqx.is_array(x) or bool(is_leaf and is_leaf(x))
+    ]
     for index, value in updates:
         owner = owners[index] if index < len(owners) else None
         if owner is None:

@@ -20,7 +20,7 @@ from .._interpret import (
     FlatCall,
     Interpreter,
     call_transformed,
-    nnx_variables,
+    variable_owners,
     write_back,
 )
 from ..fp8.internal import delayed_dot_config, static_dot_config
@@ -310,7 +310,7 @@ def _batched_call(frame, fn, policy: Policy, args, kwargs):
         it = iter(xs)
         full = [next(it) if a else x for x, a in zip(leaves, arrays)]
         f, a, k = jax.tree.unflatten(treedef, full)
-        variables = nnx_variables((f, a, k))
+        variables = [v for v in variable_owners((f, a, k)) if v is not None]
         before = [v.get_value() for v in variables]
         dynamic, static = eqx.partition(f(*a, **k), eqx.is_array)
         if any(v.get_value() is not b for v, b in zip(variables, before)):

@@ -15,9 +15,7 @@ import jax
 from jax import lax
 from jaxtyping import PyTree
 
-
-def _nnx():
-    return sys.modules.get("flax.nnx")
+from .._interpret import variable_owners
 
 
 def has_inplace_state(model: PyTree) -> bool:
@@ -28,17 +26,12 @@ def has_inplace_state(model: PyTree) -> bool:
 def _state_indices(model: PyTree) -> list[int]:
     # Indices, among `jax.tree.leaves(model)`, of the arrays held by Variables that
     # are not Params.
-    nnx = _nnx()
-    if nnx is None:
-        return []
-    is_variable = lambda x: isinstance(x, nnx.Variable)
-    indices, n = [], 0
-    for node in jax.tree.leaves(model, is_leaf=is_variable):
-        count = len(jax.tree.leaves(node)) if is_variable(node) else 1
-        if is_variable(node) and not isinstance(node, nnx.Param):
-            indices.extend(range(n, n + count))
-        n += count
-    return indices
+    nnx = sys.modules.get("flax.nnx")
+    return [
+        i
+        for i, owner in enumerate(variable_owners(model))
+        if owner is not None and not isinstance(owner, nnx.Param)
+    ]
 
 
 def read_inplace_state(model: PyTree) -> list:

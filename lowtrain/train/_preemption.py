@@ -15,6 +15,8 @@ import signal
 import threading
 from collections.abc import Sequence
 
+import numpy as np
+
 log = logging.getLogger("lowtrain")
 
 DEFAULT_STOP_SIGNALS = ("SIGTERM", "SIGINT")
@@ -124,7 +126,6 @@ def agree(received: int | None, due: bool) -> tuple[int | None, bool]:
     process was signalled (the highest-numbered signal names it), save on time if
     any process's clock says so. One small all-gather; call it at a step where
     every process calls it."""
-    import numpy as np
     from jax.experimental import multihost_utils
 
     mine = np.array([received or 0, int(due)], np.int32)
