@@ -18,6 +18,7 @@ from ._amp import amp as amp  # noqa: E402
 from ._amp import amp_stop as amp_stop  # noqa: E402
 from ._amp import get_policy as get_policy  # noqa: E402
 from ._attention import dot_product_attention as dot_product_attention  # noqa: E402
+from ._loss_scale import AbstractLossScale as AbstractLossScale  # noqa: E402
 from ._loss_scale import DynamicLossScale as DynamicLossScale  # noqa: E402
 from ._loss_scale import NoOpLossScale as NoOpLossScale  # noqa: E402
 from ._loss_scale import StaticLossScale as StaticLossScale  # noqa: E402

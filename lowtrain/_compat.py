@@ -63,6 +63,7 @@ from jax.extend.core import JaxprEqn as JaxprEqn
 from jax.extend.core import Literal as Literal
 from jax.extend.core import Primitive as Primitive
 from jax.extend.core import Var as Var
+from jax.extend.core import jaxpr_as_fun as jaxpr_as_fun
 from jax.extend.core import jaxprs_in_params as jaxprs_in_params
 from jax.extend.core.primitives import cond_p as cond_p
 from jax.extend.core.primitives import custom_jvp_call_p as custom_jvp_call_p

@@ -17,6 +17,8 @@ against each JAX release; a new higher-order primitive gets its rule here.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,27 @@ def _constrain(values, shardings) -> list:
         else v
         for v, s in zip(values, shardings)
     ]
+
+
+def trace_once(fn: Callable, *types: Any) -> tuple[Callable, Any]:
+    """`fn` traced once at `types` (pytrees of `jax.ShapeDtypeStruct`): a function
+    that replays the traced program on values of those types, and its output types.
+
+    An interpreted sub-program needs its output types before it is rebuilt (a
+    loop's carry, a branch's join, a custom rule's cotangents), and `jax.eval_shape`
+    followed by the real call would transform it twice, and each loop or custom
+    derivative nested in it twice again: a diffrax solve (a custom rule around loops
+    of loops) would be transformed dozens of times. The replay binds the program's
+    equations as traced, with the enclosing trace's values it closed over.
+    """
+    closed, out_types = jax.make_jaxpr(fn, return_shape=True)(*types)
+    out_tree = jax.tree.structure(out_types)
+    run = _compat.jaxpr_as_fun(closed)
+
+    def replay(*args):
+        return jax.tree.unflatten(out_tree, run(*jax.tree.leaves(args)))
+
+    return replay, out_types
 
 
 def _jit_rule(interp, eqn: Eqn, *args):
@@ -86,10 +109,10 @@ def _scan_rule(interp, eqn: Eqn, *args):
         jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), type_of(s))
         for s in sliced
     ]
-    types = interp.fix_types(lambda c, x: body(c, x)[0], init, slice_types)
+    types, traced = interp.fix_types(body, init, slice_types)
 
     def typed_body(carry, x_slices):
-        new, ys = body(carry, x_slices)
+        new, ys = traced(carry, x_slices)
         return [interp.coerce(v, t) for v, t in zip(new, types)], [
             values.scan_split(values.scan_output(y)) for y in ys
         ]
@@ -114,12 +137,12 @@ def _while_rule(interp, eqn: Eqn, *args):
     run_body = _sub(interp, p["body_jaxpr"], eqn.scopes)
 
     def body(carry):
-        return run_body([*body_consts, *carry])
+        return run_body([*body_consts, *carry]), ()
 
-    types = interp.fix_types(body, init)
+    types, traced = interp.fix_types(body, init)
 
     def typed_body(carry):
-        return [interp.coerce(v, t) for v, t in zip(body(carry), types)]
+        return [interp.coerce(v, t) for v, t in zip(traced(carry)[0], types)]
 
     def cond(carry):
         (pred,) = run_cond([*cond_consts, *carry])
@@ -130,9 +153,13 @@ def _while_rule(interp, eqn: Eqn, *args):
 
 
 def _cond_rule(interp, eqn: Eqn, index, *ops):
-    runs = [_sub(interp, br, eqn.scopes) for br in eqn.params["branches"]]
-    branch_types = [jax.eval_shape(lambda o, r=r: r(o), list(ops)) for r in runs]
-    types = [interp.join(ts) for ts in zip(*branch_types)]
+    op_types = [type_of(o) for o in ops]
+    traced = [
+        trace_once(_sub(interp, br, eqn.scopes), op_types)
+        for br in eqn.params["branches"]
+    ]
+    runs = [lambda o, r=r: r(list(o)) for r, _ in traced]
+    types = [interp.join(ts) for ts in zip(*(t for _, t in traced))]
 
     def typed(run):
         return lambda *o: [interp.coerce(v, t) for v, t in zip(run(o), types)]
@@ -166,9 +193,13 @@ def _custom_jvp_rule(interp, eqn: Eqn, *args):
         jvp_jaxpr, out_zeros = _compat.custom_jvp_rule_jaxpr(p, len(primals), zeros)
         return _sub(interp, jvp_jaxpr, eqn.scopes), out_zeros
 
+    primal, out_types = trace_once(
+        lambda *xs: run([*consts, *xs]), *[type_of(x) for x in primals]
+    )
+
     @jax.custom_jvp
     def fn(*xs):
-        return run([*consts, *xs])
+        return primal(*xs)
 
     def fn_jvp(xs, ts):
         # Symbolic zeros: the user's rule sees which inputs carry no tangent, as
@@ -180,7 +211,6 @@ def _custom_jvp_rule(interp, eqn: Eqn, *args):
         else:
             zeros = (False,) * len(ts)
         run_jvp, out_zeros = jvp_rule(zeros)
-        out_types = jax.eval_shape(lambda *a: run([*consts, *a]), *xs)
         ts = [
             values.tangent_in(x, instantiate_zero(t))
             for x, t, z in zip(xs, ts, zeros)
@@ -259,11 +289,11 @@ def _custom_vjp_rule(interp, eqn: Eqn, *args):
         return _sub(interp, bwd_closed, eqn.scopes), traced
 
     in_types = [type_of(x) for x in primals]
-    out_types = jax.eval_shape(lambda *xs: run([*consts, *xs]), *primals)
+    primal, out_types = trace_once(lambda *xs: run([*consts, *xs]), *in_types)
 
     @jax.custom_vjp
     def fn(*xs):
-        return run([*consts, *xs])
+        return primal(*xs)
 
     def fn_fwd(*primal_args):  # `CustomVJPPrimal`s: values and whether perturbed
         xs = [primal_value(x) for x in primal_args]

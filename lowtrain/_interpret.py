@@ -38,7 +38,7 @@ from jax import lax
 from . import _compat
 from ._eqn import Eqn, Values, is_float, same_types, type_of
 from ._higher_order import RULES as HIGHER_ORDER_RULES
-from ._higher_order import instantiate_zero, is_perturbed, primal_value
+from ._higher_order import instantiate_zero, is_perturbed, primal_value, trace_once
 
 # The scatter primitives by name, and the public functions that rebuild them: their
 # combiner jaxpr is typed for the traced dtype, so a rule that changes dtypes calls
@@ -178,19 +178,25 @@ class Interpreter:
             for v in jaxpr.outvars
         ]
 
-    def fix_types(self, step: Callable, init: Sequence[Any], *extra: Any) -> list:
-        """Types of a loop carry that one more iteration of `step` leaves unchanged.
+    def fix_types(
+        self, step: Callable, init: Sequence[Any], *extra: Any
+    ) -> tuple[list, Callable]:
+        """Types of a loop carry that one more iteration of `step` leaves unchanged,
+        and `step` traced at them.
 
-        Starts from the types of `init`, joins them with what `step` returns, and
-        repeats until they stop changing: a carry entered in float16 whose body
-        produces float32 is carried in float32.
+        `step(carry, *extra) -> (new_carry, other_outputs)`. Starts from the types of
+        `init`, joins them with the new carry's, and repeats until they stop
+        changing: a carry entered in float16 whose body produces float32 is carried
+        in float32. The last trace is kept (`trace_once`): the loop's body replays
+        it, so a loop nested in loops is transformed once, not once per enclosing
+        trace.
         """
         types = [type_of(v) for v in init]
         for _ in range(4):
-            outs = jax.eval_shape(step, types, *extra)
+            replay, (outs, _) = trace_once(step, types, *extra)
             new = [self.join([t, o]) for t, o in zip(types, outs)]
             if same_types(new, types):
-                return types
+                return types, replay
             types = new
         raise RuntimeError(
             f"The loop carry types did not settle: {types}. Please report this."

@@ -60,8 +60,41 @@ def _in_compute_dtype(x) -> jnp.dtype:
     return x.dtype
 
 
-class _LossScale(eqx.Module):
-    """The interface every loss scale shares: `scale`, `unscale`, `adjust`."""
+class AbstractLossScale(eqx.Module):
+    """The interface every loss scale shares; subclass it for your own (the
+    built-ins, `NoOpLossScale`, `StaticLossScale` and `DynamicLossScale`, are final).
+
+    - `scale(tree)`: the loss (or any pytree) multiplied by the scale;
+    - `unscale(tree)`: the gradients divided by it, each back in its dtype;
+    - `adjust(grads_finite)`: the loss scale for the next step;
+    - `value`: the current scale, a float32 scalar (1 where nothing is scaled);
+    - `at_floor()`: whether it can back off no further; `floor()`: that floor.
+
+    `lowtrain.Trainer`, `scaled_value_and_grad` and `TrainState` take any of them.
+
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import lowtrain
+
+    class Halving(lowtrain.AbstractLossScale):
+        # Halves after a non-finite step, never grows.
+        value: jnp.ndarray = eqx.field(converter=jnp.float32, default=2.0**10)
+
+        def scale(self, tree):
+            return jax.tree.map(lambda x: x * self.value, tree)
+
+        def unscale(self, tree):
+            return jax.tree.map(lambda g: (g / self.value).astype(g.dtype), tree)
+
+        def adjust(self, grads_finite):
+            return Halving(jnp.where(grads_finite, self.value, self.value / 2))
+
+    ls = Halving().adjust(jnp.array(False))
+    assert float(ls.value) == 512.0 and not bool(ls.at_floor())
+    ```
+    """
 
     @abc.abstractmethod
     def scale(self, tree: PyTree) -> PyTree: ...
@@ -70,7 +103,12 @@ class _LossScale(eqx.Module):
     def unscale(self, tree: PyTree) -> PyTree: ...
 
     @abc.abstractmethod
-    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> _LossScale: ...
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> AbstractLossScale: ...
+
+    @property
+    def value(self) -> Float[Array, ""]:
+        """The current scale (float32 scalar): 1 unless overridden."""
+        return jnp.float32(1.0)
 
     def at_floor(self) -> Bool[Array, ""]:
         """Whether the scale can back off no further (a skipped step at the floor
@@ -78,8 +116,12 @@ class _LossScale(eqx.Module):
         its `min_scale`."""
         return jnp.asarray(False)
 
+    def floor(self) -> float | None:
+        """The lowest scale it backs off to, or None where it never backs off."""
+        return None
 
-class NoOpLossScale(_LossScale):
+
+class NoOpLossScale(AbstractLossScale):
     """A loss scale that does nothing, so one training loop serves every precision.
 
     `scale(tree)` and `unscale(tree)` return `tree` unchanged and `adjust(finite)`
@@ -105,7 +147,7 @@ class NoOpLossScale(_LossScale):
         return self
 
 
-class StaticLossScale(_LossScale):
+class StaticLossScale(AbstractLossScale):
     """A fixed loss scale.
 
     `scale(tree)` multiplies every float leaf by the scale (in at least float32, and
@@ -130,6 +172,10 @@ class StaticLossScale(_LossScale):
     def __init__(self, scale: ArrayLike):
         self.loss_scale = _f32_scalar(scale, "scale")
 
+    @property
+    def value(self) -> Float[Array, ""]:
+        return self.loss_scale
+
     def scale(self, tree: PyTree) -> PyTree:
         return _scale(tree, self.loss_scale)
 
@@ -140,7 +186,7 @@ class StaticLossScale(_LossScale):
         return self
 
 
-class DynamicLossScale(_LossScale):
+class DynamicLossScale(AbstractLossScale):
     """A loss scale adjusted after every step exactly as `torch.amp.GradScaler` does.
 
     `adjust(grads_finite)` returns a new `DynamicLossScale`:
@@ -230,8 +276,15 @@ class DynamicLossScale(_LossScale):
     def unscale(self, tree: PyTree) -> PyTree:
         return _unscale(tree, self.loss_scale)
 
+    @property
+    def value(self) -> Float[Array, ""]:
+        return self.loss_scale
+
     def at_floor(self) -> Bool[Array, ""]:
         return self.loss_scale <= self.min_scale
+
+    def floor(self) -> float:
+        return float(self.min_scale)
 
     def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> DynamicLossScale:
         finite = jnp.asarray(grads_finite, jnp.bool_)
@@ -292,7 +345,7 @@ def all_finite(tree: PyTree) -> Bool[Array, ""]:
     return jnp.all(jnp.stack(checks))
 
 
-def redo_while_nonfinite(attempt: Callable, loss_scale: _LossScale, redos: int):
+def redo_while_nonfinite(attempt: Callable, loss_scale: AbstractLossScale, redos: int):
     """The last `attempt(ls) -> (ls, ..., finite)`: redone at the backed-off scale
     while not `finite`, at most `redos` times (one `lax.while_loop`)."""
     result = attempt(loss_scale)
@@ -336,8 +389,8 @@ class _ScaledValueAndGrad(eqx.Module):
             ]
         return inspect.Signature([first, *params])
 
-    def __call__(self, loss_scale: _LossScale, x, /, *args, **kwargs):
-        if not isinstance(loss_scale, _LossScale):
+    def __call__(self, loss_scale: AbstractLossScale, x, /, *args, **kwargs):
+        if not isinstance(loss_scale, AbstractLossScale):
             raise TypeError(
                 "Expected a loss scale (e.g. `lowtrain.DynamicLossScale()`) as the "
                 f"first argument, got {type(loss_scale).__name__} instead. Call it "

@@ -151,8 +151,7 @@ def count_parameters(model) -> int:
 
 
 def final_loss_scale(state: lowtrain.TrainState) -> float:
-    scale = getattr(state.loss_scale, "loss_scale", None)  # None: NoOpLossScale
-    return 1.0 if scale is None else float(scale)
+    return float(state.loss_scale.value)
 
 
 def fit(
@@ -167,20 +166,18 @@ def fit(
     cfg: DictConfig | None = None,
     data_fingerprint: dict | None = None,
     callbacks: list | None = None,
-    rebuild: Callable[[Any], lowtrain.Trainer] | None = None,
-) -> tuple[lowtrain.TrainState, lowtrain.Trainer, dict | None]:
+) -> tuple[lowtrain.TrainState, dict | None]:
     """`trainer.fit` with the run's outputs: `metrics.jsonl` and the loggers
     `trainer.loggers` names, `checkpoints/` (and `checkpoints/best/` with
     `trainer.keep_best`), a progress bar, and a log line per evaluation; early
-    stopping with `trainer.early_stopping`, and `callbacks`. Each checkpoint holds
-    the run's resolved config (`cfg`) and `data_fingerprint` (the data's digest, the
-    vocabulary); a resume that would change them is refused (`resume_differences`)
-    before anything is loaded.
+    stopping with `trainer.early_stopping`, the FP8 autopilot with
+    `precision.auto` (`recipes/_autopilot.py`), and `callbacks`. Each checkpoint
+    holds the run's resolved config (`cfg`) and `data_fingerprint` (the data's
+    digest, the vocabulary); a resume that would change them is refused
+    (`resume_differences`) before anything is loaded.
 
-    With `precision.auto`, the FP8 autopilot (`recipes/_autopilot.py`) trains
-    instead, building a Trainer per plan with `rebuild(precision)`. Returns the
-    final state, the Trainer that trained last (under the last plan) and the
-    autopilot's summary (None without it)."""
+    Returns the final state and the autopilot's summary (None without it); the
+    Trainer ends with the precision it trained with last (the last plan's)."""
     t = config.trainer
     extra = {
         "config": (
@@ -197,18 +194,7 @@ def fit(
         lowtrain.latest_checkpoint(ckpt_dir, check_files=True) if t.resume else None
     )
     if latest is not None:
-        changes = resume_differences(
-            lowtrain.checkpoint_extra(latest), extra, t.resume_allow
-        )
-        if changes:
-            raise ValueError(
-                f"Expected a resume of the run in {out} with what it was trained with, "
-                f"got {len(changes)} change(s) that would break its exactness: "
-                + "; ".join(changes)
-                + ". Resume with the first launch's settings (its config is "
-                f"{out / 'config.yaml'}), start a new run in another directory, or "
-                "list the keys to change on purpose: trainer.resume_allow=[key,...]."
-            )
+        _check_resume(lowtrain.checkpoint_extra(latest), extra, t.resume_allow, out)
 
     def report(info: lowtrain.StepInfo) -> None:
         if info.eval is not None:
@@ -221,68 +207,67 @@ def fit(
                 info.loss,
             )
 
-    def prepare(trainer: lowtrain.Trainer) -> lowtrain.Trainer:
-        trainer.add_hook(report, every=t.eval_every or steps)
-        trainer.numerics.fmt = t.numerics_format
-        return trainer
-
-    prepare(trainer)
-    callbacks = [*run_callbacks(config), *(callbacks or ())]
+    trainer.add_hook(report, every=t.eval_every or steps)
+    trainer.numerics.fmt = t.numerics_format
+    pilot = None
+    if getattr(config.precision, "auto", False):
+        pilot = _autopilot.autopilot(config.precision, out)
+    callbacks = [
+        *run_callbacks(config),
+        *([pilot] if pilot else []),
+        *(callbacks or ()),
+    ]
     loggers = []
     if jax.process_index() == 0:
-        start = _resumed_step(latest)
         loggers = [
-            lowtrain.train.make_logger(name, out, after_step=start)
+            lowtrain.train.make_logger(name, out, after_step=_resumed_step(latest))
             for name in t.loggers
             if name != "jsonl"  # metrics.jsonl: always, `metrics_file` below
         ]
         for logger in loggers:
             logger.log_hyperparams(extra["config"])
-    state = trainer.init(key=key)
     source = Prefetch(data, t.prefetch) if t.prefetch else data
-    fit_kwargs = dict(
-        eval_data=eval_data,
-        eval_every=t.eval_every,
-        log_every=t.log_every,
-        metrics_file=out / "metrics.jsonl",
-        checkpoint_dir=ckpt_dir,
-        checkpoint_extra=extra,
-        checkpoint_every=t.checkpoint_every,
-        checkpoint_every_minutes=t.checkpoint_every_minutes,
-        stop_signals=list(t.stop_signals),
-        keep_checkpoints=t.keep_checkpoints,
-        async_checkpoint=t.async_checkpoint,
-        resume=t.resume,
-        progress=t.progress,
-        callbacks=callbacks,
-        loggers=loggers,
-    )
-    auto = None
     try:
         with logging_redirect_tqdm():  # log lines above the progress bar
-            if getattr(config.precision, "auto", False):
-                if rebuild is None:
-                    raise ValueError(
-                        "Expected `rebuild` (a Trainer per precision) for "
-                        "`precision.auto=true`, got None."
-                    )
-                state, trainer, auto = _autopilot.fit_auto(
-                    lambda precision: prepare(rebuild(precision)),
-                    state,
-                    source,
-                    steps=steps,
-                    config=config,
-                    out=out,
-                    fit_kwargs=fit_kwargs,
-                )
-            else:
-                state = trainer.fit(state, source, steps=steps, **fit_kwargs)
+            state = trainer.fit(
+                trainer.init(key=key),
+                source,
+                steps=steps,
+                eval_data=eval_data,
+                eval_every=t.eval_every,
+                log_every=t.log_every,
+                metrics_file=out / "metrics.jsonl",
+                checkpoint_dir=ckpt_dir,
+                checkpoint_extra=extra,
+                checkpoint_every=t.checkpoint_every,
+                checkpoint_every_minutes=t.checkpoint_every_minutes,
+                stop_signals=list(t.stop_signals),
+                keep_checkpoints=t.keep_checkpoints,
+                async_checkpoint=t.async_checkpoint,
+                resume=t.resume,
+                progress=t.progress,
+                callbacks=callbacks,
+                loggers=loggers,
+            )
     finally:
         if isinstance(source, Prefetch):
             source.close()
         for logger in loggers:
             logger.close()
-    return state, trainer, auto
+    return state, (None if pilot is None else pilot.summary(steps))
+
+
+def _check_resume(saved: dict, extra: dict, allow, out: pathlib.Path) -> None:
+    changes = resume_differences(saved, extra, allow)
+    if changes:
+        raise ValueError(
+            f"Expected a resume of the run in {out} with what it was trained with, "
+            f"got {len(changes)} change(s) that would break its exactness: "
+            + "; ".join(changes)
+            + ". Resume with the first launch's settings (its config is "
+            f"{out / 'config.yaml'}), start a new run in another directory, or "
+            "list the keys to change on purpose: trainer.resume_allow=[key,...]."
+        )
 
 
 def _resumed_step(latest) -> int | None:
@@ -318,11 +303,7 @@ def train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path) -> dic
     data = task.data(config)
     steps = total_steps(config, getattr(data.train, "steps_per_epoch", None))
     trainer, key = build_trainer(task, config, cfg, steps)
-
-    def rebuild(precision) -> lowtrain.Trainer:  # the autopilot's, one per plan
-        return build_trainer(task, config, cfg, steps, precision=precision)[0]
-
-    state, trainer, auto = fit(
+    state, auto = fit(
         trainer,
         config,
         data.train,
@@ -333,7 +314,6 @@ def train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path) -> dic
         cfg=cfg,
         data_fingerprint=dict(data.fingerprint),
         callbacks=task.callbacks(config),
-        rebuild=rebuild,
     )
     results = dict(task.results(trainer, state, data, config, out))
     if auto is not None:
@@ -348,17 +328,14 @@ def train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path) -> dic
 
 
 def build_trainer(
-    task: Task, config: Config, cfg: DictConfig, steps: int, *, precision=None
+    task: Task, config: Config, cfg: DictConfig, steps: int
 ) -> tuple[lowtrain.Trainer, jax.Array]:
     """The task's Trainer for `config` (its model from the seed's first key), and
-    the key its state starts from (the second); `precision` replaces the one the
-    config builds (the autopilot's plans)."""
+    the key its state starts from (the second)."""
     model_key, state_key = jax.random.split(jax.random.key(config.trainer.seed))
     model, model_state = split_model(task.model(config, key=model_key))
     trainer_class = task.trainer_class(config, model)
     options = trainer_options(config)
-    if precision is not None:
-        options["precision"] = precision
     if model_state is not None:
         options["model_state"] = model_state
     trainer = trainer_class(

@@ -1,6 +1,7 @@
-"""`precision.auto=true` (`recipes/_autopilot.py`): plans from casts reports during
-training, re-planned as ranges drift, written to the run directory and restored on
-resume; with the recipes' own FP8 precisions."""
+"""The FP8 autopilot (`lowtrain.train.Autopilot`, the CLI's `precision.auto=true`):
+plans from casts reports during training, re-planned as ranges drift, written to the
+run directory and restored on resume; with the recipes' own FP8 precisions, on a
+user's own Trainer, with early stopping."""
 
 import dataclasses
 import json
@@ -62,22 +63,25 @@ def _setup(config, trainer_class=Fit, model=None):
         jax.random.normal(jax.random.key(1), (8, 4)),
         jax.random.normal(jax.random.key(2), (8, 4)),
     )
-    opt = optax.sgd(0.01)
-
-    def make(precision):
-        return trainer_class(model, opt, precision=precision)
-
-    base = make(_autopilot.build_precision(config.precision, config.precision.keep))
-    return make, base.init(key=jax.random.key(0))
-
-
-def test_fit_auto_keeps_the_matmul_whose_gradient_flushes(tmp_path):
-    config = _Config(_naive_config())
-    make, state = _setup(config)
-    fit = dict(metrics_file=tmp_path / "metrics.jsonl", progress=False, log_every=1)
-    state, trainer, summary = _autopilot.fit_auto(
-        make, state, _data, steps=7, config=config, out=tmp_path, fit_kwargs=fit
+    p = config.precision
+    trainer = trainer_class(
+        model, optax.sgd(0.01), precision=_autopilot.build_precision(p, p.keep)
     )
+    return trainer, trainer.init(key=jax.random.key(0))
+
+
+def _fit(config, trainer, state, data, steps, out=None, **fit):
+    pilot = _autopilot.autopilot(config.precision, out)
+    fit.setdefault("progress", False)
+    state = trainer.fit(state, data, steps=steps, callbacks=[pilot], **fit)
+    return state, pilot.summary(steps)
+
+
+def test_the_autopilot_keeps_the_matmul_whose_gradient_flushes(tmp_path):
+    config = _Config(_naive_config())
+    trainer, state = _setup(config)
+    fit = dict(metrics_file=tmp_path / "metrics.jsonl", log_every=1)
+    state, summary = _fit(config, trainer, state, _data, 7, tmp_path, **fit)
     assert int(state.step) == 7
     assert summary["keep"] == ["b"] and summary["plans"] == 3  # steps 1, 3, 6
     assert summary["fp8_share"] == 0.5
@@ -92,7 +96,9 @@ def test_fit_auto_keeps_the_matmul_whose_gradient_flushes(tmp_path):
     assert [r["step"] for r in plans] == [1, 3, 6]
     assert plans[0]["kept"] == ["b@8x4"] and plans[0]["changes"]
     assert plans[1]["changes"] == []
-    # The final Trainer runs the plan: `b` as written, `a` in FP8.
+    # One row per step, the plans' rows after their step's.
+    assert [r["step"] for r in rows if "event" not in r] == list(range(1, 8))
+    # The Trainer ends with the plan's precision: `b` as written, `a` in FP8.
     report = numerics.track(
         trainer.precision.wrap_step(lambda b, s: trainer.loss_and_grads(s, b)[0][1]),
         casts=True,
@@ -101,27 +107,112 @@ def test_fit_auto_keeps_the_matmul_whose_gradient_flushes(tmp_path):
     assert applied == {"a": True, "b": False}
 
 
-def test_fit_auto_resumes_with_the_plan_in_effect(tmp_path):
+def test_the_autopilot_trains_as_fits_of_each_plan_would(tmp_path):
+    # The plans switch the precision over the state in memory: the same weights
+    # as training each segment with a Trainer built for its plan.
+    config = _Config(_naive_config())
+    trainer, state = _setup(config)
+    switched, summary = _fit(config, trainer, state, _data, 7)
+    p = config.precision
+    segments = [(1, []), (3, ["b"]), (6, ["b"]), (7, ["b"])]  # (end, plan's keep)
+    state = None
+    for end, keep in segments:
+        by_hand, fresh = _setup(_Config(dataclasses.replace(p, keep=keep)))
+        state = by_hand.fit(state or fresh, _data, steps=end, progress=False)
+    assert summary["keep"] == ["b"]
+    np.testing.assert_array_equal(switched.model.wa, state.model.wa)
+    np.testing.assert_array_equal(switched.model.wb, state.model.wb)
+
+
+def test_the_autopilot_resumes_with_the_plan_in_effect(tmp_path):
     config = _Config(_naive_config())
 
     def run(out, steps, resume):
-        make, state = _setup(config)
-        fit = dict(
-            checkpoint_dir=out / "checkpoints",
-            checkpoint_every=4,
-            progress=False,
-            resume=resume,
-        )
-        return _autopilot.fit_auto(
-            make, state, _data, steps=steps, config=config, out=out, fit_kwargs=fit
-        )
+        trainer, state = _setup(config)
+        fit = dict(checkpoint_dir=out / "checkpoints", checkpoint_every=4)
+        return _fit(config, trainer, state, _data, steps, out, resume=resume, **fit)
 
-    whole, _, _ = run(tmp_path / "whole", 7, False)
+    whole, _ = run(tmp_path / "whole", 7, False)
     run(tmp_path / "cut", 4, False)
-    resumed, trainer, summary = run(tmp_path / "cut", 7, True)
+    resumed, summary = run(tmp_path / "cut", 7, True)
     assert summary["keep"] == ["b"]
     np.testing.assert_array_equal(resumed.model.wa, whole.model.wa)
     np.testing.assert_array_equal(resumed.model.wb, whole.model.wb)
+
+
+def test_early_stopping_stops_a_run_under_the_autopilot(tmp_path):
+    # One fit: a stop inside a planning interval ends the run, and the patience
+    # counts across plans (evaluations at every step; the loss never improves by
+    # 1e9, so the second evaluation without improvement stops it).
+    config = _Config(_naive_config())
+    trainer, state = _setup(config)
+    stop = lowtrain.train.EarlyStopping("eval_loss", "min", patience=2, min_delta=1e9)
+    pilot = _autopilot.autopilot(config.precision, tmp_path)
+    state = trainer.fit(
+        state,
+        _data,
+        steps=50,
+        eval_data=[_data(100)],
+        eval_every=1,
+        callbacks=[pilot, stop],
+        progress=False,
+    )
+    assert int(state.step) == 3  # the first eval sets the best; two without gain
+    assert [s for s, _ in pilot.plans] == [1, 3]
+
+
+class Own(lowtrain.Trainer):
+    """A user's Trainer: its own loss and evaluation, its own hook."""
+
+    def loss(self, model, batch, *, key):
+        ya, yb = model(batch["x"])
+        return jnp.mean((ya - batch["y"]) ** 2) + 1e-9 * jnp.sum(yb), {"n": 1.0}
+
+    def evaluate(self, model, batch):
+        ya, _ = model(batch["x"])
+        return {"mae": jnp.mean(jnp.abs(ya - batch["y"]))}
+
+
+def test_the_autopilot_on_a_users_trainer_with_loggers_and_best_checkpoints(tmp_path):
+    from lowtrain.recipes.precisions import naive_fp8
+
+    model = Two(jnp.ones((8, 4)), jnp.ones((8, 4)) / 8)
+    trainer = Own(model, optax.sgd(0.01), precision=naive_fp8())
+    seen = []
+    trainer.add_hook(lambda info: seen.append(info.step), every=2)
+    pilot = lowtrain.train.Autopilot(
+        lambda keep: naive_fp8(keep=keep), every=2, batches=1
+    )
+    best = lowtrain.train.BestCheckpoint("eval_mae", "min", keep=1)
+    csv = lowtrain.train.CSVLogger(tmp_path / "metrics.csv")
+    state = trainer.fit(
+        trainer.init(key=jax.random.key(0)),
+        _data,
+        steps=5,
+        eval_data=[_data(100)],
+        eval_every=2,
+        checkpoint_dir=tmp_path / "checkpoints",
+        callbacks=[pilot, best],
+        loggers=[csv],
+        log_every=1,
+        progress=False,
+    )
+    csv.close()
+    assert int(state.step) == 5 and seen == [2, 4]
+    assert pilot.summary(5)["keep"] == ["b"]
+    assert [s for s, _ in pilot.plans] == [1, 2, 4]
+    assert (tmp_path / "checkpoints" / "plan.json").exists()  # its default folder
+    assert lowtrain.train.best_checkpoint(tmp_path / "checkpoints" / "best")
+    assert len((tmp_path / "metrics.csv").read_text().splitlines()) == 1 + 5
+
+
+def test_use_precision_refuses_a_precision_that_stores_the_state_otherwise():
+    config = _Config(_naive_config())
+    trainer, state = _setup(config)
+    with pytest.raises(ValueError, match="stores it otherwise.*float16"):
+        trainer.use_precision(lowtrain.train.Amp("p=f16,c=f16,o=f32"), state)
+    trainer.use_precision("bf16", state)  # the same storage: fine
+    assert trainer.precision.parts[0].policy.compute_dtype == jnp.bfloat16
 
 
 class Growing(lowtrain.Trainer):
@@ -141,14 +232,11 @@ def test_a_matmul_whose_range_drifts_moves_out(tmp_path):
     config = _Config(_naive_config(auto_every=2))
     model = Two(jnp.full((8, 4), 100.0), jnp.ones((8, 4)))
 
-    def make(precision):
-        return Growing(model, optax.sgd(7.0), precision=precision)
-
-    state = make(_autopilot.build_precision(config.precision, [])).init(
-        key=jax.random.key(0)
-    )
+    trainer, state = _setup(config, Growing, model)
+    trainer = Growing(model, optax.sgd(7.0), precision=trainer.precision)
+    state = trainer.init(key=jax.random.key(0))
     data = lambda step: {"x": jnp.ones((16, 8))}  # noqa: E731
-    _autopilot.fit_auto(make, state, data, steps=7, config=config, out=tmp_path)
+    _fit(config, trainer, state, data, 7, tmp_path)
     keeps = _plans(tmp_path)
     assert keeps == {1: (), 2: (), 4: ("a",), 6: ("a",)}
     reason = json.loads((tmp_path / "plan.json").read_text())["plan"]["matmuls"][0]
@@ -162,8 +250,8 @@ def test_a_matmul_that_settles_moves_back_in(tmp_path):
         x = (1e-6 if step < 4 else 1.0) * jnp.ones((16, 8))
         return {"x": x, "y": jnp.zeros((16, 4))}
 
-    make, state = _setup(config)
-    _autopilot.fit_auto(make, state, data, steps=7, config=config, out=tmp_path)
+    trainer, state = _setup(config)
+    _fit(config, trainer, state, data, 7, tmp_path)
     keeps = _plans(tmp_path)
     assert keeps[1] == ("a", "b") and keeps[2] == ("a", "b")
     assert keeps[4] == ("b",)  # `a` moves in; `b`'s gradient still flushes
@@ -214,9 +302,9 @@ def test_every_fp8_recipe_precision_runs_its_plan(tmp_path, recipe, extra):
         tokens = jax.random.randint(jax.random.key(step), (4, 9), 0, 11)
         return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
-    state = make(options["precision"]).init(key=jax.random.key(1))
-    state, trainer, summary = _autopilot.fit_auto(
-        make, state, data, steps=4, config=config, out=tmp_path
+    trainer = make(options["precision"])
+    state, summary = _fit(
+        config, trainer, trainer.init(key=jax.random.key(1)), data, 4, tmp_path
     )
     assert int(state.step) == 4 and 0 <= summary["fp8_share"] <= 1
     # Whatever the plan, keeping a matmul makes its casts shadows: check it with the
@@ -235,11 +323,15 @@ def test_every_fp8_recipe_precision_runs_its_plan(tmp_path, recipe, extra):
     assert {m.name.split("/")[-1] for m in plan.matmuls} >= {head}
 
 
-def test_fit_auto_refuses_a_precision_without_auto(tmp_path):
-    config = _Config(_naive_config(auto=False))
-    make, state = _setup(config)
+def test_the_autopilot_refuses_a_precision_without_auto_and_bad_arguments():
     with pytest.raises(ValueError, match="auto=true"):
-        _autopilot.fit_auto(make, state, _data, steps=2, config=config)
+        _autopilot.autopilot(_naive_config(auto=False), None)
+    with pytest.raises(TypeError, match="keep -> Precision"):
+        lowtrain.train.Autopilot("fp8")
+    with pytest.raises(ValueError, match=r"max_saturate.*\[0, 1\]"):
+        lowtrain.train.Autopilot(lambda keep: None, max_saturate=2.0)
+    with pytest.raises(ValueError, match="every"):
+        lowtrain.train.Autopilot(lambda keep: None, every=0)
 
 
 def _cli_config(tmp_path, steps, *extra):

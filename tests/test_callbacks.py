@@ -201,13 +201,13 @@ def test_step_end_without_overrides_costs_no_sync():
 
     trainer = _trainer()
     data = lowtrain.ArrayBatches(_data(), 8)
-    original = lowtrain.train._trainer.step_info
+    original = lowtrain.train.FitRun.info
 
     def counting(*args):
         built.append("info")
         return original(*args)
 
-    lowtrain.train._trainer.step_info = counting
+    lowtrain.train.FitRun.info = counting
     try:
         trainer.fit(
             trainer.init(key=jax.random.key(1)),
@@ -220,7 +220,7 @@ def test_step_end_without_overrides_costs_no_sync():
             progress=False,
         )
     finally:
-        lowtrain.train._trainer.step_info = original
+        lowtrain.train.FitRun.info = original
     assert built == ["info", 3, "info", 6]
 
 

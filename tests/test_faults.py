@@ -453,7 +453,7 @@ def test_all_nan_data_stops_an_fp16_run(tmp_path):
 
 
 def test_divergence_check_judges_positive_losses_above_best_and_first():
-    from lowtrain.train._divergence import DivergenceCheck
+    from lowtrain.train._health import DivergenceCheck
 
     check = DivergenceCheck(factor=100.0, patience=2)
     for step, loss in enumerate([2.0, 0.01, 1.5, 1.9, -5.0, 0.0]):

@@ -1,6 +1,7 @@
 """Training: `TrainState`, `Trainer` and its loop, the `Precision` protocol and its
 implementations, checkpoints and weights, loggers, batches."""
 
+from ._autopilot import Autopilot as Autopilot
 from ._callbacks import BestCheckpoint as BestCheckpoint
 from ._callbacks import Callback as Callback
 from ._callbacks import EarlyStopping as EarlyStopping
@@ -30,6 +31,7 @@ from ._loggers import MLflowLogger as MLflowLogger
 from ._loggers import TensorBoardLogger as TensorBoardLogger
 from ._loggers import WandbLogger as WandbLogger
 from ._loggers import make_logger as make_logger
+from ._loop import FitRun as FitRun
 from ._numerics import NumericsRecorder as NumericsRecorder
 from ._placement import array_spec as array_spec
 from ._precisions import Amp as Amp

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
-from .._loss_scale import _LossScale, redo_while_nonfinite, scaled_value_and_grad
+from .._loss_scale import AbstractLossScale, redo_while_nonfinite, scaled_value_and_grad
 from ._placement import constrain_state
 from ._protocol import Precision
 
@@ -97,7 +97,9 @@ def accumulated_value_and_grad(
     # gradients leave reduce-scattered (`constrain_state` on what depends on them).
     gather = lambda model: constrain_state(mesh, "replicated", model)
 
-    def one_step(ls: _LossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray):
+    def one_step(
+        ls: AbstractLossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
+    ):
         (value, grads), ls, finite = single(ls, gather(model), batch, key=key)
         grads, extra = precision.split_gradients(grads)
         return (value, grads, extra), ls, finite
@@ -126,8 +128,8 @@ def accumulated_value_and_grad(
         return ls, _mean_or_last(values), grads, extra, jnp.all(finites)
 
     def accumulated(
-        ls: _LossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
-    ) -> tuple[tuple, _LossScale, Bool[Array, ""]]:
+        ls: AbstractLossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
+    ) -> tuple[tuple, AbstractLossScale, Bool[Array, ""]]:
         run = lambda ls: attempt(ls, gather(model), batch, key)
         ls, value, grads, extra, finite = redo_while_nonfinite(run, ls, redo_on_nan)
         return (value, grads, extra), ls.adjust(finite), finite

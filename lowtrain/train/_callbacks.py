@@ -1,23 +1,10 @@
 """Callbacks: what `Trainer.fit` calls around its steps, how one stops a run, and two
 built-ins, `EarlyStopping` and `BestCheckpoint`.
 
-The order of one step of `fit`, written down once (`Trainer.fit` refers here):
-
-1. the train step; the previous step's health check (see `Trainer`);
-2. if an eval is due: `Trainer.run_evaluation`;
-3. if a log is due or it evaluated: the record goes to the loggers (the metrics
-   file is one) and to `trainer.history`;
-4. if a checkpoint is due: it is saved and checked, then `on_checkpoint`;
-5. if it evaluated: `on_eval_end` of every callback, in the order given;
-6. `on_step_end` of every callback, then the hooks of `Trainer.add_hook` (in the
-   order added), each where its `every` divides the step;
-7. if anything in 5-6 asked to stop (`info.stop()`, or raised `StopTraining`,
-   which skips the callbacks and hooks after it at this step): a checkpoint of this
-   step is saved unless 4 saved one, then `on_checkpoint`, and `fit` ends here;
-8. after the last step (or a stop): `on_fit_end`.
-
-`on_fit_start` runs once before the first step, after a resume. A callback's
-`every` (default 1) thins its `on_step_end`; a callback that does not override
+The order of one step is the code of `lowtrain.train.FitRun.after_step` (its module
+docstring, `lowtrain/train/_loop.py`, lists it). `on_fit_start` runs once before
+the first step, after a resume. A callback's `due(step)` (default: `every`, 1,
+divides the step) thins its `on_step_end`; a callback that does not override
 `on_step_end` costs no device wait at steps that do nothing else.
 """
 
@@ -75,18 +62,20 @@ class Callback:
 
     Each method gets the `Trainer` and a `lowtrain.StepInfo` (the state after the
     step, its loss, `eval` results, `record`: the logged metrics) or, at the start
-    and end, the `TrainState`. The module docstring of `lowtrain/train/_callbacks.py`
-    (and the Trainer guide) gives the order of callbacks, logs and saves in a step.
+    and end, the `TrainState`. `lowtrain.train.FitRun` (and the Trainer guide) gives
+    the order of callbacks, logs and saves in a step.
     To end the run, call `info.stop(reason)` or raise `StopTraining`.
 
     - `on_fit_start(trainer, state)`: once, before the first step (after a resume).
-    - `on_step_end(trainer, info)`: after steps where `info.step % self.every == 0`.
+    - `on_step_end(trainer, info)`: after steps where `self.due(info.step)` (by
+      default, where `info.step % self.every == 0`).
     - `on_eval_end(trainer, info)`: after each evaluation; `info.eval` holds it.
     - `on_checkpoint(trainer, info, path)`: after a checkpoint of `fit` is saved.
     - `on_fit_end(trainer, state)`: once, when `fit` returns (also after a stop).
 
-    `trainer.fit_plan` (a `FitPlan`: the last step, the checkpoint directory, ...)
-    describes the run in progress.
+    `trainer.fit_run` (a `lowtrain.train.FitRun`: its `plan` with the last step and
+    the checkpoint directory, its `data`, ...) is the run in progress, and
+    `trainer.use_precision(...)` changes the precision from the next step.
 
     ```python
     import equinox as eqx
@@ -114,6 +103,12 @@ class Callback:
     """
 
     every: int = 1
+
+    def due(self, step: int) -> bool:
+        """Whether `on_step_end` runs after `step` (default: `step % every == 0`).
+        Steps where no callback, hook, log, eval or save is due do not wait for the
+        device."""
+        return step % self.every == 0
 
     def on_fit_start(self, trainer, state: TrainState) -> None:
         pass

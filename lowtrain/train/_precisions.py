@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
-from .._loss_scale import DynamicLossScale, NoOpLossScale, _LossScale
+from .._loss_scale import AbstractLossScale, DynamicLossScale, NoOpLossScale
 from .._rewrite import Rule, rewrite
 from ..fp8.internal import advanced_scales, split_records, zero_scales
 from ..unit_scaling import constraints, unit_scale
@@ -57,13 +57,13 @@ class Amp(Precision):
     """
 
     policy: Policy = eqx.field(static=True)
-    loss_scale: _LossScale | None
+    loss_scale: AbstractLossScale | None
 
     def __init__(
-        self, policy: Policy | str = "fp32", loss_scale: _LossScale | None = None
+        self, policy: Policy | str = "fp32", loss_scale: AbstractLossScale | None = None
     ):
         self.policy = _policy(policy)
-        if loss_scale is not None and not isinstance(loss_scale, _LossScale):
+        if loss_scale is not None and not isinstance(loss_scale, AbstractLossScale):
             raise TypeError(
                 "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
                 f"{type(loss_scale).__name__} instead."

@@ -9,7 +9,7 @@ from typing import Any
 import equinox as eqx
 from jaxtyping import PyTree
 
-from .._loss_scale import _LossScale
+from .._loss_scale import AbstractLossScale
 
 
 class Precision(eqx.Module):
@@ -83,7 +83,7 @@ class Precision(eqx.Module):
     def store(self, model: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
         return model, opt_state
 
-    def default_loss_scale(self) -> _LossScale | None:
+    def default_loss_scale(self) -> AbstractLossScale | None:
         return None
 
     def wrap_step(self, step: Callable) -> Callable:

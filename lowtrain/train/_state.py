@@ -6,7 +6,7 @@ import equinox as eqx
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
-from .._loss_scale import _LossScale
+from .._loss_scale import AbstractLossScale
 
 
 class TrainState(eqx.Module):
@@ -46,7 +46,7 @@ class TrainState(eqx.Module):
     step: Int[Array, ""]
     model: PyTree
     opt_state: PyTree
-    loss_scale: _LossScale
+    loss_scale: AbstractLossScale
     key: PRNGKeyArray
     model_state: PyTree = None
 

@@ -5,12 +5,8 @@ records."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-import math
-import pathlib
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,36 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, PRNGKeyArray, PyTree
-from tqdm import tqdm
 
 from .._amp import Policy
-from .._loss_scale import NoOpLossScale, _LossScale
+from .._loss_scale import AbstractLossScale, NoOpLossScale
 from ._accumulate import accumulated_value_and_grad, check_counts
-from ._callbacks import Callback, StopTraining, check_callbacks, overrides
-from ._checkpoint import (
-    Checkpoints,
-    latest_checkpoint,
-    list_checkpoints,
-    restore_latest,
-)
-from ._data import restore_data_position, with_data_position
-from ._divergence import DivergenceCheck
+from ._callbacks import Callback
 from ._finite import skip_nonfinite
-from ._hooks import Hook, StepInfo, finite_number, positive_int
+from ._health import DivergenceCheck, skips_in_a_row
+from ._hooks import Hook, StepInfo, positive_int
 from ._jit import async_filter_jit
-from ._lock import RunLock
-from ._metrics import LearningRates, global_norm
+from ._loop import FitPlan, FitRun, batch_size, plan_fit
+from ._metrics import global_norm
 from ._nnx import has_inplace_state, keep_inplace_state, read_inplace_state
 from ._numerics import NumericsRecorder
-from ._placement import constrain_state, data_mesh, put_state, shard_batch, step_batch
+from ._placement import constrain_state, data_mesh, put_state, shard_batch
 from ._precisions import resolve
-from ._preemption import (
-    DEFAULT_STOP_SIGNALS,
-    Preempted,
-    SignalWatch,
-    agree,
-    check_stop_signals,
-)
+from ._preemption import DEFAULT_STOP_SIGNALS
 from ._protocol import Precision
 from ._state import TrainState
 
@@ -154,7 +136,7 @@ class Trainer:
         optimizer: optax.GradientTransformation,
         *,
         precision: Precision | Sequence[Precision] | Policy | str | None = None,
-        loss_scale: _LossScale | None = None,
+        loss_scale: AbstractLossScale | None = None,
         redo_on_nan: int = 0,
         stop_on_nonfinite: bool | None = None,
         learning_rate: Callable[[Any], Any] | float | None = None,
@@ -171,7 +153,7 @@ class Trainer:
         self.precision = resolve(precision)
         if loss_scale is None:
             loss_scale = self.precision.default_loss_scale() or NoOpLossScale()
-        if not isinstance(loss_scale, _LossScale):
+        if not isinstance(loss_scale, AbstractLossScale):
             raise TypeError(
                 "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
                 f"{type(loss_scale).__name__} instead."
@@ -197,7 +179,7 @@ class Trainer:
         self.hooks: list[Hook] = []
         self.numerics = NumericsRecorder(numerics_every)
         self.history: list[dict] = []  # the records the last `fit` logged
-        self.fit_plan: FitPlan | None = None  # the `fit` in progress
+        self.fit_run: FitRun | None = None  # the `fit` in progress
 
     # -- override points ---------------------------------------------------------
 
@@ -284,7 +266,7 @@ class Trainer:
             "health": (
                 loss,
                 finite,
-                _skips_in_a_row(opt_state),
+                skips_in_a_row(opt_state),
                 state.loss_scale.at_floor(),
             ),
         }
@@ -299,31 +281,6 @@ class Trainer:
             raise TypeError(f"Expected a callable hook, got {fn!r} instead.")
         self.hooks.append(Hook(fn, positive_int(every, "every", optional=False)))
 
-    def _check_health(self, step: int, health, min_scale) -> None:
-        # `health` of the update from `state.step == step` (see `train_step`).
-        loss, applied, in_a_row, at_floor = jax.device_get(health)
-        loss, applied, in_a_row = float(loss), bool(applied), int(in_a_row)
-        if not math.isfinite(loss) and (applied or self.stop_on_nonfinite):
-            check_loss(step, loss, applied)
-        if at_floor and not applied:
-            raise FloatingPointError(
-                f"Train step {step + 1} was skipped with the loss scale at its "
-                f"minimum ({min_scale:g}): its gradients are not finite "
-                "even unscaled, and backing off cannot help. The run diverged or the "
-                "batch holds inf/NaN. Lower the learning rate, check batch "
-                f"`data({step})`, or train in bf16 (float32's range)."
-            )
-        self._divergence.update(step, loss)
-        limit = self.max_consecutive_skips
-        if limit is not None and in_a_row >= limit:
-            raise FloatingPointError(
-                f"{in_a_row} train steps in a row were skipped (non-finite "
-                f"gradients), up to step {step + 1}: the run is not training. "
-                "Lower the learning rate, check the data for inf/NaN, start the loss "
-                "scale lower, or train in bf16; `max_consecutive_skips` "
-                f"(now {limit}) sets this limit."
-            )
-
     # -- state, placement, compiled steps ----------------------------------------
 
     def init(self, *, key: PRNGKeyArray) -> TrainState:
@@ -333,20 +290,73 @@ class Trainer:
         is never donated), the optimizer state initialised on them as the optimizer
         sees them (`to_optimizer`), and both stored as the precision carries them.
         """
-        p = self.precision
-        model = p.cast_params(self.model)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        opt_state = self.optimizer.init(p.to_optimizer(params))
-        model, opt_state = p.store(model, opt_state)
-        state = TrainState(
-            jnp.zeros((), jnp.int32),
-            model,
-            opt_state,
-            self.loss_scale,
-            key,
-            self.model_state,
-        )
+        state = self._fresh_state(self.precision, key)
         return put_state(self.mesh, self.sharding, state)
+
+    def _fresh_state(self, precision: Precision, key) -> TrainState:
+        model = precision.cast_params(self.model)
+        params = eqx.filter(model, eqx.is_inexact_array)
+        opt_state = self.optimizer.init(precision.to_optimizer(params))
+        model, opt_state = precision.store(model, opt_state)
+        step = jnp.zeros((), jnp.int32)
+        return TrainState(
+            step, model, opt_state, self.loss_scale, key, self.model_state
+        )
+
+    def use_precision(
+        self,
+        precision: Precision | Sequence[Precision] | Policy | str,
+        state: TrainState | None = None,
+    ) -> None:
+        """Train with `precision` from now on, over the same state (during `fit`:
+        from the next step; a callback may call it, as `Autopilot` does).
+
+        The step, the evaluation and the numerics program are traced again for it
+        (compiled once, at their next call); the state stays where it is, in
+        memory. `state`, when given, is checked to have the structure, shapes and
+        dtypes `precision` stores (a precision that stores the model differently,
+        such as `DelayedFp8` added to a model without its layers, needs a new
+        Trainer and state instead); without it, it is the next `fit` that finds
+        out. The loss scale in the state is kept.
+
+        ```python
+        import equinox as eqx
+        import jax
+        import optax
+        import lowtrain
+
+        class Fit(lowtrain.Trainer):
+            def loss(self, model, batch, *, key):
+                return ((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2).mean()
+
+        class Bf16After(lowtrain.train.Callback):
+            def on_step_end(self, trainer, info):
+                if info.step == 2:
+                    trainer.use_precision("bf16", info.state)
+
+        trainer = Fit(eqx.nn.Linear(2, 1, key=jax.random.key(0)), optax.sgd(0.1))
+        data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
+        state = trainer.fit(trainer.init(key=jax.random.key(1)), lambda s: data,
+                            steps=4, callbacks=[Bf16After()], progress=False)
+        amp = trainer.precision.parts[0]  # "bf16": Amp, then DelayedFp8
+        assert amp.policy.compute_dtype == jax.numpy.bfloat16
+        assert int(state.step) == 4
+        ```
+        """
+        resolved = resolve(precision)
+        if state is not None:
+            expected = eqx.filter_eval_shape(self._fresh_state, resolved, state.key)
+            mismatch = _structure_mismatch(state, expected)
+            if mismatch:
+                raise ValueError(
+                    f"Expected a precision that stores the state as it is, got "
+                    f"{type(resolved).__name__}, which stores it otherwise: "
+                    f"{mismatch}. Build a new Trainer with it and start from "
+                    "`trainer.init` (or a checkpoint of that precision) instead."
+                )
+        self.precision = resolved
+        for name in ("compiled_step", "_numerics_step", "_compiled_eval"):
+            self.__dict__.pop(name, None)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Place `batch` on the devices, split along its leading axis.
@@ -505,9 +515,10 @@ class Trainer:
           rows after the checkpoint's step (written before a crash) move to
           `<metrics_file>.replaced`.
         - `callbacks` (`lowtrain.train.Callback`s) and the hooks of `add_hook` run
-          after the step's log and save, in the order the `Callback` docstring
-          lists; one may stop the run (`info.stop()` or `StopTraining`): that
-          step is saved and `fit` returns.
+          after the step's log and save, in the order `lowtrain.train.FitRun`
+          lists (`self.fit_run` is the run while it lasts); one may stop the run
+          (`info.stop()` or `StopTraining`): that step is saved and `fit`
+          returns, or change its precision (`use_precision`).
         - `checkpoint_every_minutes`: also save when that many minutes have passed
           since the last save (or the start), checked after every step (in a
           multi-process run, at the steps that log), so a hard kill loses bounded
@@ -539,149 +550,29 @@ class Trainer:
             resume=resume,
             checkpoint_every_minutes=checkpoint_every_minutes,
         )
-        watch = SignalWatch(check_stop_signals(stop_signals))
-        callbacks = check_callbacks(callbacks)
-        loggers = check_loggers(loggers)
-        is_main = jax.process_index() == 0
-        # One run per checkpoint folder (process 0 holds it for the run's processes).
-        lock = RunLock(plan.checkpoint_dir) if plan.checkpoint_dir and is_main else None
-        if lock is not None:
-            lock.acquire()
-        try:
-            state, saver, resumed = resume_or_check_empty(
-                state, plan, resume, async_checkpoint
-            )
-            restore_data_position(data, resumed)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        start = int(state.step)
-        if metrics_file and is_main:
-            from ._loggers import JsonlLogger
-
-            loggers = [JsonlLogger(metrics_file, after_step=start), *loggers]
-        if not is_main:
-            loggers = []
-        self.history, self.fit_plan = [], plan
-        step_callbacks = [c for c in callbacks if overrides(c, "on_step_end")]
-        bar = tqdm(
-            total=plan.total,
-            initial=min(start, plan.total),
-            disable=not (progress and is_main),  # one bar per run, not per process
-            unit="step",
+        run = FitRun(
+            self,
+            data,
+            plan,
+            callbacks=callbacks,
+            loggers=loggers,
+            metrics_file=metrics_file,
+            checkpoint_extra=checkpoint_extra,
+            resume=resume,
+            async_checkpoint=async_checkpoint,
+            progress=progress,
+            stop_signals=stop_signals,
         )
-        clock = (start, time.perf_counter())  # (step, time) the throughput window began
-        pending = None  # (step, loss) not yet checked by stop_on_nonfinite
-        extra = lambda: with_data_position(checkpoint_extra, data)
-        single = jax.process_count() == 1
-        last_save, saved, signum = time.monotonic(), None, None
+        self.fit_run, self.history = run, run.history
         try:
-            watch.install()
-            self._divergence.reset()
-            for c in callbacks:
-                c.on_fit_start(self, state)
-            for s in range(start, plan.total):
-                batch = data(s)
-                if any(np.shape(x)[:1] == (0,) for x in jax.tree.leaves(batch)):
-                    raise ValueError(
-                        f"Expected a batch with at least one row from `data({s})`, "
-                        "got 0 rows. Check the data source (a filter that removed "
-                        "everything, a dataset smaller than one batch)."
-                    )
-                batch = step_batch(self.devices, self.mesh, batch)
-                self.numerics.maybe_record(
-                    self._numerics_step, state, batch, s, metrics_file
-                )
-                state, metrics = self.compiled_step(batch, state)
-                done = s + 1
-                bar.update(1)
-                hooks = [h for h in self.hooks if done % h.every == 0]
-                calls = [c for c in step_callbacks if done % c.every == 0]
-                log_now, eval_now = plan.log_at(done), plan.eval_at(done)
-                save_now = plan.save_at(done)
-                sync = bool(hooks or calls) or log_now or eval_now or save_now
-                # A stop signal, a save on time: looked at every step by one
-                # process; agreed at the steps every process syncs at by many.
-                due = plan.save_due(time.monotonic() - last_save)
-                if single:
-                    signum = watch.received
-                elif sync:
-                    signum, due = agree(watch.received, due)
-                else:
-                    due = False
-                save_now = save_now or due or plan.can_save(signum is not None)
-                log_now = log_now or signum is not None
-                sync = sync or save_now or log_now
-                if pending is not None:
-                    self._check_health(*pending)
-                floor = getattr(state.loss_scale, "min_scale", None)
-                pending = (s, metrics["health"], floor)
-                if sync:  # we wait for the device here anyway
-                    self._check_health(*pending)
-                    pending = None
-                if not sync:
-                    continue
-                info = step_info(self, state, metrics, batch, clock, done)
-                if eval_now:
-                    results = self.run_evaluation(state, plan.eval_data)
-                    info = dataclasses.replace(info, eval=results)
-                if log_now or eval_now:
-                    info = dataclasses.replace(info, record=record(info))
-                    bar.set_postfix(
-                        loss=f"{info.loss:.4g}", scale=f"{info.loss_scale:g}"
-                    )
-                    self.history.append(info.record)
-                    for logger in loggers:
-                        logger.log_metrics(info.record, done)
-                if save_now:  # every process: each writes its shards
-                    saved = self._save(saver, info, extra(), callbacks)
-                    last_save = time.monotonic()
-                if signum is not None:
-                    break  # no callbacks: the run is being stopped from outside
-                try:
-                    if eval_now:
-                        for c in callbacks:
-                            c.on_eval_end(self, info)
-                    for c in calls:
-                        c.on_step_end(self, info)
-                    for hook in hooks:
-                        hook.fn(info)
-                except StopTraining as e:
-                    info.stop(str(e) or "StopTraining raised")
-                if info.stopping:
-                    log.info("stopping at step %d: %s", done, "; ".join(info._stop))
-                    if plan.checkpoint_dir is not None and not save_now:
-                        self._save(saver, info, extra(), callbacks)
-                    break
-                clock = (done, time.perf_counter())  # not counting logs, evals, saves
-            if pending is not None:
-                self._check_health(*pending)
-            saver.close()  # waits for an asynchronous save and checks it
-            if signum is not None:
-                raise Preempted(signum, int(state.step), saved)
-            for c in callbacks:
-                c.on_fit_end(self, state)
+            return run(state)
         finally:
-            watch.restore()
-            bar.close()
-            saver.close()
-            for logger in loggers:
-                flush = getattr(logger, "flush", None)
-                if flush is not None:
-                    flush()
-            if metrics_file and is_main:
-                loggers[0].close()  # the JsonlLogger made here
-            self.fit_plan = None
-            if lock is not None:
-                lock.release()
-        return state
+            self.fit_run = None
 
-    def _save(self, saver, info: StepInfo, extra, callbacks) -> pathlib.Path:
-        path = saver.save(info.step, info.state, extra)
-        for c in callbacks:
-            c.on_checkpoint(self, info, path)
-        return path
+    @property
+    def fit_plan(self) -> FitPlan | None:
+        """The `FitPlan` of the `fit` in progress (None outside `fit`)."""
+        return None if self.fit_run is None else self.fit_run.plan
 
 
 def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:
@@ -701,240 +592,6 @@ def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:
         )
 
 
-def check_loss(step: int, loss, applied: bool = False) -> None:
-    value = float(loss)
-    if math.isfinite(value):
-        return
-    where = (
-        f"at train step {step + 1} (the update from `state.step == {step}`, on batch "
-        f"`data({step})`)"
-    )
-    if applied:
-        raise FloatingPointError(
-            f"The loss is {value} {where}, but its gradients were finite, so the "
-            "step was applied: the loss reads values its gradients do not, such as "
-            "labels outside the number of classes (a gather out of range gives NaN) "
-            "or a log of 0. Check the batch's labels and the loss."
-        )
-    raise FloatingPointError(
-        f"The loss is {value} {where}. Expected a finite loss: without loss scaling "
-        "this means the run diverged or the batch holds inf/NaN. Lower the learning "
-        "rate, check that batch, train with a `lowtrain.DynamicLossScale`, or pass "
-        "`stop_on_nonfinite=False` to the Trainer to skip such steps (non-finite "
-        "gradients leave the model unchanged and count in `state.skipped`)."
-    )
-
-
-def _skips_in_a_row(opt_state) -> Array:
-    # The Trainer's optimizer state is `optax.apply_if_finite`'s (or lowtrain's
-    # select version of it): `notfinite_count` counts the skips in a row.
-    return jnp.asarray(getattr(opt_state, "notfinite_count", 0), jnp.int32)
-
-
-def _batch_size(batch: PyTree) -> int:
-    leaves = jax.tree.leaves(batch)
-    return int(np.shape(leaves[0])[0]) if leaves else 0
-
-
-@dataclasses.dataclass(frozen=True)
-class FitPlan:
-    """`Trainer.fit`'s arguments, checked: the last step and what happens when.
-
-    `log_at(step)`, `eval_at(step)`, `save_at(step)` say whether `fit` logs,
-    evaluates or writes a checkpoint after the step that makes `state.step == step`
-    (always after the last one, when there is anything to do it with).
-    """
-
-    total: int
-    log_every: int | None
-    eval_every: int | None
-    eval_data: Iterable[PyTree] | None
-    checkpoint_every: int | None
-    checkpoint_dir: pathlib.Path | None
-    keep_checkpoints: int
-    checkpoint_every_minutes: float | None = None
-
-    def log_at(self, step: int) -> bool:
-        return bool(self.log_every and step % self.log_every == 0) or step == self.total
-
-    def eval_at(self, step: int) -> bool:
-        if self.eval_data is None:
-            return False
-        every = bool(self.eval_every and step % self.eval_every == 0)
-        return every or step == self.total
-
-    def save_at(self, step: int) -> bool:
-        if self.checkpoint_dir is None:
-            return False
-        every = bool(self.checkpoint_every and step % self.checkpoint_every == 0)
-        return every or step == self.total
-
-    def save_due(self, seconds_since_save: float) -> bool:
-        """Whether `checkpoint_every_minutes` have passed since the last save."""
-        minutes = self.checkpoint_every_minutes
-        return self.can_save(bool(minutes) and seconds_since_save >= 60 * minutes)
-
-    def can_save(self, wanted: bool) -> bool:
-        return wanted and self.checkpoint_dir is not None
-
-
-def plan_fit(
-    state: Any,
-    data: Any,
-    *,
-    steps,
-    epochs,
-    eval_data,
-    eval_every,
-    log_every,
-    checkpoint_dir,
-    checkpoint_every,
-    keep_checkpoints,
-    resume,
-    checkpoint_every_minutes=None,
-) -> FitPlan:
-    """Check `Trainer.fit`'s arguments (see there) and return its `FitPlan`."""
-    if not callable(data):
-        raise TypeError(
-            "Expected `data` to be a function of the step, `data(step) -> batch` "
-            f"(e.g. `lowtrain.ArrayBatches`), got {type(data).__name__} instead. "
-            "A function of the step lets a resumed run see the same batches."
-        )
-    if not isinstance(state, TrainState):
-        raise TypeError(
-            f"Expected a `lowtrain.TrainState` (from `trainer.init(key=...)`), got "
-            f"{type(state).__name__} instead."
-        )
-    if (steps is None) == (epochs is None):
-        raise ValueError(
-            f"Expected exactly one of `steps` and `epochs`, got steps={steps!r} and "
-            f"epochs={epochs!r} instead."
-        )
-    if epochs is not None:
-        per_epoch = getattr(data, "steps_per_epoch", None)
-        if per_epoch is None:
-            raise ValueError(
-                "Expected `data` with a `steps_per_epoch` attribute (such as "
-                "`lowtrain.ArrayBatches`) to train for `epochs`, got "
-                f"{type(data).__name__} instead. Pass `steps=` instead."
-            )
-        steps = positive_int(epochs, "epochs") * per_epoch
-    total = positive_int(steps, "steps", optional=False)
-    log_every = positive_int(log_every, "log_every")
-    eval_every = positive_int(eval_every, "eval_every")
-    checkpoint_every = positive_int(checkpoint_every, "checkpoint_every")
-    keep_checkpoints = positive_int(keep_checkpoints, "keep_checkpoints")
-    if eval_every and eval_data is None:
-        raise ValueError("Expected `eval_data` with `eval_every`, got None instead.")
-    if resume not in (True, False, "auto"):
-        raise ValueError(
-            f'Expected `resume` True, False or "auto", got {resume!r} instead.'
-        )
-    minutes = finite_number(
-        checkpoint_every_minutes, "checkpoint_every_minutes", above=0
-    )
-    if (checkpoint_every or minutes or resume) and checkpoint_dir is None:
-        raise ValueError(
-            "Expected a `checkpoint_dir` with `checkpoint_every`, "
-            "`checkpoint_every_minutes` or `resume`, got None instead."
-        )
-    return FitPlan(
-        total=total,
-        log_every=log_every,
-        eval_every=eval_every,
-        eval_data=eval_data,
-        checkpoint_every=checkpoint_every,
-        checkpoint_dir=None if checkpoint_dir is None else pathlib.Path(checkpoint_dir),
-        keep_checkpoints=keep_checkpoints,
-        checkpoint_every_minutes=minutes,
-    )
-
-
-def resume_or_check_empty(
-    state, plan: FitPlan, resume: bool | str, asynchronous: bool = False
-) -> tuple[Any, Checkpoints, pathlib.Path | None]:
-    """The state to start from: with `resume`, the newest checkpoint in
-    `plan.checkpoint_dir` that passes its checks (none: an error, or `state` for
-    `resume="auto"`), else `state`; a directory that holds checkpoints without
-    `resume` is an error. And the `Checkpoints` that `fit` saves with (`close`
-    it), and the path resumed from (or None)."""
-    ckpt_dir = plan.checkpoint_dir
-    saver = lambda: Checkpoints(ckpt_dir, plan.keep_checkpoints, asynchronous)
-    if ckpt_dir is None:
-        return state, saver(), None
-    if resume:
-        found = restore_latest(ckpt_dir, state)
-        if found is not None:
-            resumed, path = found
-            log.info("resumed from step %d (%s)", int(resumed.step), path)
-            return resumed, saver(), path
-        if resume != "auto":
-            raise ValueError(
-                f"Expected a checkpoint to resume from in {ckpt_dir}, got none there. "
-                "Check the run directory (a typo starts a new run), pass "
-                '`resume="auto"` to start anew when there is none, or drop `resume`.'
-            )
-        return state, saver(), None
-    if latest_checkpoint(ckpt_dir) is not None:
-        raise ValueError(
-            f"Expected an empty `checkpoint_dir` for a new run, got "
-            f"{len(list_checkpoints(ckpt_dir))} checkpoints in {ckpt_dir} "
-            "instead. Pass `resume=True` to continue that run, or use another "
-            "directory."
-        )
-    return state, saver(), None
-
-
-def step_info(trainer, state, metrics, batch, clock, done) -> StepInfo:
-    """The `StepInfo` after step `done` (`clock`: the window's `(step, time)`)."""
-    loss = float(metrics["loss"])  # waits for the step to finish
-    elapsed = max(time.perf_counter() - clock[1], 1e-12)
-    steps_per_second = (done - clock[0]) / elapsed
-    skipped = int(state.skipped)
-    if isinstance(state.loss_scale, NoOpLossScale):
-        scale = 1.0
-    else:
-        scale = float(state.loss_scale.loss_scale)
-    # Kept on the Trainer: the states of its optimizer share one structure.
-    rates = vars(trainer).setdefault("_learning_rates", LearningRates())
-    return StepInfo(
-        step=done,
-        state=state,
-        loss=loss,
-        aux=metrics["aux"],
-        loss_scale=scale,
-        skipped=skipped,
-        grad_norm=float(metrics["grad_norm"]),
-        learning_rate=rates(state.opt_state, trainer.learning_rate, done - skipped),
-        steps_per_second=steps_per_second,
-        examples_per_second=steps_per_second * _batch_size(batch),
-    )
-
-
-def record(info: StepInfo) -> dict:
-    """The line of the metrics file for `info`."""
-    record = {
-        name: getattr(info, name)
-        for name in (
-            "step",
-            "loss",
-            "loss_scale",
-            "skipped",
-            "grad_norm",
-            "learning_rate",
-            "steps_per_second",
-            "examples_per_second",
-        )
-    }
-    if isinstance(info.aux, dict):  # scalar metrics returned next to the loss
-        for name, value in info.aux.items():
-            if np.ndim(value) == 0 and name not in record:
-                record[str(name)] = float(value)
-    for name, value in (info.eval or {}).items():
-        record[f"eval_{name}"] = value
-    return record
-
-
 def mean_metrics(evaluate: Callable[[PyTree], dict], data: Iterable[PyTree]) -> dict:
     """The mean of each metric `evaluate(batch)` returns over the batches of `data`,
     each batch weighted by its number of examples (the leading axis of its first
@@ -948,7 +605,7 @@ def mean_metrics(evaluate: Callable[[PyTree], dict], data: Iterable[PyTree]) -> 
                 "Expected `evaluate` to return a dict of scalars such as "
                 f"{{'loss': loss}}, got {type(metrics).__name__} instead."
             )
-        weight = max(_batch_size(batch), 1)
+        weight = max(batch_size(batch), 1)
         for name, value in metrics.items():
             totals[name] = totals.get(name, 0.0) + weight * float(value)
         count += weight
@@ -1003,13 +660,19 @@ def check_model_state(model_state: PyTree) -> PyTree:
     return model_state
 
 
-def check_loggers(loggers) -> list:
-    loggers = list(loggers or ())
-    for logger in loggers:
-        if not callable(getattr(logger, "log_metrics", None)):
-            raise TypeError(
-                "Expected each logger to have `log_metrics(metrics, step)` (a "
-                "`lowtrain.train.Logger` such as `CSVLogger(path)`), got "
-                f"{type(logger).__name__} instead."
+def _structure_mismatch(state, expected) -> str:
+    # What differs between `state` and the abstract `expected` (its structure, or
+    # the first array whose shape or dtype does), or "" where nothing does.
+    ours, tree = jax.tree_util.tree_flatten_with_path(state)
+    want, want_tree = jax.tree.flatten(expected)
+    if tree != want_tree:
+        return "another pytree structure"
+    for (path, a), b in zip(ours, want):
+        if not isinstance(b, jax.ShapeDtypeStruct):
+            continue
+        if np.shape(a) != b.shape or jnp.result_type(a) != b.dtype:
+            return (
+                f"state{jax.tree_util.keystr(path)} is {jnp.result_type(a)}"
+                f"{list(np.shape(a))}, expected {b.dtype}{list(b.shape)}"
             )
-    return loggers
+    return ""
