@@ -22,10 +22,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import lowtrain
-from lowtrain.recipes import _config, _overrides, _run
+from lowtrain.recipes import internal as recipes
 from lowtrain.train import CheckpointCorruptError, Preempted, RunFolderLocked
 
-_config.register()
+recipes.register()
 
 _MULTIRUN = ("-m", "--multirun")
 
@@ -76,11 +76,11 @@ def _remove_if_new(folder: pathlib.Path) -> None:
 def main(cfg: DictConfig) -> float:
     """Train the recipe `cfg` names in the Hydra run directory; return its headline
     metric (test accuracy or validation loss), which sweepers can optimise. A config
-    that does not check out (`_run.check`) is one line on stderr and exit status 2,
+    that does not check out (`recipes.check`) is one line on stderr and exit status 2,
     before anything is written."""
     output_dir = pathlib.Path(HydraConfig.get().runtime.output_dir)
     try:
-        _run.check(cfg)
+        recipes.check(cfg)
     except (ValueError, TypeError) as e:
         if _full_error():
             raise
@@ -89,7 +89,7 @@ def main(cfg: DictConfig) -> float:
         print(f"lowtrain: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        summary = _run.run(cfg, output_dir, list(HydraConfig.get().overrides.task))
+        summary = recipes.run(cfg, output_dir, list(HydraConfig.get().overrides.task))
     except RunFolderLocked as e:  # another launch trains there: nothing written
         logging.shutdown()
         print(f"lowtrain: {e}", file=sys.stderr)
@@ -138,7 +138,7 @@ _RUN_ERRORS = (
 )
 # lowtrain's code: the package and its recipes (installed as `lowtrain.recipes`
 # from the checkout's `recipes/`).
-_OURS = {pathlib.Path(m.__file__).resolve().parent for m in (lowtrain, _run)}
+_OURS = {pathlib.Path(m.__file__).resolve().parent for m in (lowtrain, recipes)}
 
 
 def _full_error() -> bool:
@@ -160,8 +160,8 @@ def _raised_here(e: BaseException) -> bool:
 
 if __name__ == "__main__":
     sys.argv = _multirun_first(sys.argv)  # Hydra parses `sys.argv` in `main`
-    sys.argv = [sys.argv[0], *_overrides.with_recipe_of_checkpoint(sys.argv[1:])]
-    error = None if _full_error() else _overrides.check_overrides(sys.argv[1:])
+    sys.argv = [sys.argv[0], *recipes.with_recipe_of_checkpoint(sys.argv[1:])]
+    error = None if _full_error() else recipes.check_overrides(sys.argv[1:])
     if error is not None:  # before Hydra makes a run folder
         print(f"lowtrain: {error}", file=sys.stderr)
         sys.exit(2)

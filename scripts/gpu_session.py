@@ -200,7 +200,7 @@ def prepare() -> None:
     )
     subprocess.run([*pip, "wheel", "--no-deps", "-w", str(WHEELS), *BUILT], check=True)
     sys.path.insert(0, str(ROOT))
-    from lowtrain.recipes._text_data import shakespeare  # fetched once, then cached
+    from lowtrain.recipes.internal import shakespeare  # fetched once, then cached
 
     CACHE.mkdir(exist_ok=True)
     (CACHE / "shakespeare.txt").write_text(shakespeare(), encoding="utf-8")

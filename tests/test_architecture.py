@@ -266,3 +266,98 @@ def test_architecture_doc_example_runs():
             exec(
                 compile(textwrap.dedent(block), "<architecture.md>", "exec"), namespace
             )
+
+
+# -- private names stay in their package ---------------------------------------------
+
+
+def _imported(module: str, source: str):
+    """`(target module, name or None)` for each import of `module` (`source`: its
+    text; the name None where it imports a module)."""
+    tree = ast.parse(source)
+    package = _package(module)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")
+                parent = parent[: len(parent) - node.level + 1]
+                base = ".".join(filter(None, [*parent, base]))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                yield (full, None) if full in MODULES else (base, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+
+
+def _package(module: str) -> str:
+    package = module in MODULES and _is_package(module)
+    return module if package else module.rpartition(".")[0]
+
+
+def _private(part: str) -> bool:
+    return part.startswith("_") and not part.startswith("__")
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+# `lowtrain/_compat.py` holds every JAX internal lowtrain touches, and scripts/
+# share it rather than reach into JAX themselves.
+SHARED = {"lowtrain._compat"}
+
+
+def _private_reaches(module: str, source: str | None = None) -> list[str]:
+    """The private modules and names of other packages `module` imports (its file,
+    or `source`): a module `a.b._c` belongs to package `a.b`, a name `_x` to its
+    module's package; only modules inside that package may import them."""
+    found = []
+    source = MODULES[module].read_text() if source is None else source
+    for target, name in _imported(module, source):
+        while target and target not in MODULES:
+            target = target.rpartition(".")[0]
+        if not target or target == module or target in SHARED:
+            continue
+        parts = target.split(".")
+        owners = [".".join(parts[:i]) for i, p in enumerate(parts) if _private(p)]
+        if owners and not _inside(module, owners[0]):
+            found.append(target)
+        elif name and _private(name) and not _inside(module, _package(target)):
+            found.append(f"{target}.{name}")
+    return found
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_name_of_another_package(module):
+    # As Equinox keeps its siblings to `equinox.internal`: a package's private
+    # modules and names are its own; what others need is named in an `internal`
+    # module (`lowtrain.fp8.internal`, `lowtrain.recipes.internal`, ...).
+    assert _private_reaches(module) == [], (
+        f"{module} imports private names of another package; import them from "
+        "that package's public or `internal` module"
+    )
+
+
+def test_the_private_check_sees_reaches():
+    source = textwrap.dedent(
+        """
+        from lowtrain.fp8._dot import keep_op
+        from lowtrain.fp8.internal import keep_op as ok
+        from lowtrain.numerics import _track
+        from lowtrain.train._callbacks import _monitored
+        from lowtrain.train import _trainer as t
+        import lowtrain._compat
+        """
+    )
+    assert _private_reaches("scripts.fake", source) == [
+        "lowtrain.fp8._dot",
+        "lowtrain.numerics._track",
+        "lowtrain.train._callbacks",
+        "lowtrain.train._trainer",
+    ]
+    # Inside the owning package: its own.
+    assert _private_reaches("lowtrain.fp8.internal", source)[:1] == [
+        "lowtrain.numerics._track"
+    ]

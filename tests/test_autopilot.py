@@ -124,6 +124,7 @@ def test_the_autopilot_trains_as_fits_of_each_plan_would(tmp_path):
     np.testing.assert_array_equal(switched.model.wb, state.model.wb)
 
 
+@pytest.mark.slow
 def test_the_autopilot_resumes_with_the_plan_in_effect(tmp_path):
     config = _Config(_naive_config())
 

@@ -184,13 +184,12 @@ def _matmul_problems(jaxpr, policy, custom_backward=False) -> list[str]:
 
 def _cases():
     # In the default suite each model runs under one policy, the three rotating
-    # (every policy on several models, FP8 on DCGAN's convolutions and a diffrax
-    # adjoint's solve), but for the three whose compilations take longest
-    # (20-35 s on 2 cores); the whole matrix is in the slow suite.
+    # (every policy on several models, FP8 on DCGAN's convolutions, a diffrax
+    # solve), but for the five whose three compilations take longest (15-35 s each
+    # on 2 cores); the whole matrix is in the slow suite.
     fast = {name: POLICIES[i % 3] for i, name in enumerate(NAMES)}
     fast.update(dcgan="fp8", neural_ode="bf16", nnx_cnn="fp16")
-    fast.update(mixer="fp16", neural_ode_backsolve="fp8")
-    for name in ("bert", "unet", "vit"):
+    for name in ("bert", "unet", "neural_ode_backsolve", "mixer", "vit"):
         fast[name] = None
     for name in NAMES:
         for policy in POLICIES:

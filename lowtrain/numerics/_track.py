@@ -279,7 +279,7 @@ def _finish(records: list) -> list:
 
 
 @eqx.filter_jit
-def _tracked_call(fn, args, kwargs, casts: bool = False):
+def tracked_call(fn, args, kwargs, casts: bool = False):
     call = FlatCall(fn, args, kwargs)
     closed = jax.make_jaxpr(call)(*call.inputs)
     interp = _TrackInterpreter(_name_stacks(closed, {}), casts)
@@ -314,7 +314,7 @@ class _Tracked(eqx.Module):
         return self.fn
 
     def __call__(self, *args, **kwargs) -> tuple[Any, Report]:
-        outs, moments, counts, metas = _tracked_call(self.fn, args, kwargs, self.casts)
+        outs, moments, counts, metas = tracked_call(self.fn, args, kwargs, self.casts)
         if isinstance(moments, jax.core.Tracer):
             raise TypeError(
                 "Expected a tracked function to be called outside `jax.jit` (its "

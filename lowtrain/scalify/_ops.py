@@ -95,44 +95,121 @@ class _EagerEqn:
         self.out_avals = (x,)
 
 
-def _rescale(norm: str, backward: bool):
-    def op(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
-        return _apply(x, kind="rescale", norm=norm, backward=backward)
-
-    return op
+def _rescale(x, norm: str, backward: bool):
+    return _apply(x, kind="rescale", norm=norm, backward=backward)
 
 
-dynamic_rescale_l1 = _rescale("l1", False)
-dynamic_rescale_l2 = _rescale("l2", False)
-dynamic_rescale_max = _rescale("max", False)
-dynamic_rescale_l1_grad = _rescale("l1", True)
-dynamic_rescale_l2_grad = _rescale("l2", True)
-dynamic_rescale_max_grad = _rescale("max", True)
-
-for _op, _norm_name, _back in [
-    (dynamic_rescale_l1, "mean absolute value", False),
-    (dynamic_rescale_l2, "root mean square", False),
-    (dynamic_rescale_max, "max absolute value", False),
-    (dynamic_rescale_l1_grad, "mean absolute value", True),
-    (dynamic_rescale_l2_grad, "root mean square", True),
-    (dynamic_rescale_max_grad, "max absolute value", True),
-]:
-    _what = "its cotangent, in the backward pass" if _back else "it"
-    _op.__doc__ = f"""Rescale {_what} inside `scalify`: the scale absorbs the data's
-    {_norm_name} (rounded to a power of two), so the data's is ~1. Values do not
+def dynamic_rescale_l1(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
+    """Rescale `x` inside `scalify`: the scale absorbs the data's mean absolute
+    value (rounded to a power of two), so the data's is about 1. Values do not
     change; outside `scalify` it is the identity.
 
     ```python
     import jax.numpy as jnp
     import lowtrain.scalify as scalify
 
-    x = scalify.ScaledArray(jnp.full(4, 64.0, jnp.float16), 1.0)
-    y = scalify.dynamic_rescale_max(x)
-    assert (y.data == 1.0).all() and y.scale == 64.0
-    f = scalify.scalify(lambda x: scalify.dynamic_rescale_l2(x * 2.0))
-    assert f(x).scale == 128.0
+    x = scalify.ScaledArray(jnp.array([8.0, -8.0, 8.0, -8.0], jnp.float16), 1.0)
+    y = scalify.dynamic_rescale_l1(x)
+    assert (abs(y.data) == 1.0).all() and y.scale == 8.0
     ```
     """
+    return _rescale(x, "l1", False)
+
+
+def dynamic_rescale_l2(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
+    """Rescale `x` inside `scalify`: the scale absorbs the data's root mean square
+    (rounded to a power of two), so the data's is about 1. Values do not change;
+    outside `scalify` it is the identity. The recipes' Scalify FP8 matmuls call it
+    on both operands before their E4M3 casts.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.scalify as scalify
+
+    x = scalify.ScaledArray(jnp.full(4, 64.0, jnp.float16), 1.0)
+    f = scalify.scalify(lambda x: scalify.dynamic_rescale_l2(x * 2.0))
+    assert f(x).scale == 128.0 and (f(x).data == 1.0).all()
+    ```
+    """
+    return _rescale(x, "l2", False)
+
+
+def dynamic_rescale_max(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
+    """Rescale `x` inside `scalify`: the scale absorbs the data's largest absolute
+    value (rounded to a power of two), so the data's is about 1. Values do not
+    change; outside `scalify` it is the identity.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain.scalify as scalify
+
+    x = scalify.ScaledArray(jnp.array([64.0, 2.0], jnp.float16), 1.0)
+    y = scalify.dynamic_rescale_max(x)
+    assert y.data.tolist() == [1.0, 0.03125] and y.scale == 64.0
+    ```
+    """
+    return _rescale(x, "max", False)
+
+
+def dynamic_rescale_l1_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
+    """The identity forward; in the backward pass, inside `scalify`, the cotangent
+    is rescaled as `dynamic_rescale_l1` rescales a value (its mean absolute value
+    into the scale). Outside `scalify` it is the identity both ways.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.scalify as scalify
+
+    x = scalify.ScaledArray(jnp.full(4, 3.0, jnp.float16), 1.0)
+    f = scalify.scalify(lambda x: scalify.dynamic_rescale_l1_grad(x))
+    assert f(x).scale == 1.0  # forward: unchanged
+    g = jax.grad(lambda x: jnp.sum(scalify.dynamic_rescale_l1_grad(x) * 8.0))
+    assert (g(jnp.ones(4)) == 8.0).all()  # values unchanged backward too
+    ```
+    """
+    return _rescale(x, "l1", True)
+
+
+def dynamic_rescale_l2_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
+    """The identity forward; in the backward pass, inside `scalify`, the cotangent
+    is rescaled as `dynamic_rescale_l2` rescales a value (its root mean square into
+    the scale), as the recipes' Scalify FP8 matmuls do before the E5M2 cast of the
+    output cotangent. Outside `scalify` it is the identity both ways.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.scalify as scalify
+
+    x = scalify.ScaledArray(jnp.full(4, 3.0, jnp.float16), 1.0)
+    f = scalify.scalify(lambda x: scalify.dynamic_rescale_l2_grad(x))
+    assert f(x).scale == 1.0  # forward: unchanged
+    g = jax.grad(lambda x: jnp.sum(scalify.dynamic_rescale_l2_grad(x) * 8.0))
+    assert (g(jnp.ones(4)) == 8.0).all()
+    ```
+    """
+    return _rescale(x, "l2", True)
+
+
+def dynamic_rescale_max_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
+    """The identity forward; in the backward pass, inside `scalify`, the cotangent
+    is rescaled as `dynamic_rescale_max` rescales a value (its largest absolute
+    value into the scale). Outside `scalify` it is the identity both ways.
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain.scalify as scalify
+
+    x = scalify.ScaledArray(jnp.full(4, 3.0, jnp.float16), 1.0)
+    f = scalify.scalify(lambda x: scalify.dynamic_rescale_max_grad(x))
+    assert f(x).scale == 1.0  # forward: unchanged
+    g = jax.grad(lambda x: jnp.sum(scalify.dynamic_rescale_max_grad(x) * 8.0))
+    assert (g(jnp.ones(4)) == 8.0).all()
+    ```
+    """
+    return _rescale(x, "max", True)
 
 
 def stop_scaling(x: ArrayLike | ScaledArray) -> Array:

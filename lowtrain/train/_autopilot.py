@@ -156,8 +156,8 @@ class Autopilot(Callback):
 
     def on_fit_start(self, trainer, state) -> None:
         run = trainer.fit_run
-        self._total = run.plan.total
-        self._out = self.directory or run.plan.checkpoint_dir
+        self._total = run.schedule.total
+        self._out = self.directory or run.schedule.checkpoint_dir
         self._tracked = {}
         self.plans = self._read() if run.resumed is not None else []
         start = int(state.step)

@@ -73,7 +73,7 @@ class Callback:
     - `on_checkpoint(trainer, info, path)`: after a checkpoint of `fit` is saved.
     - `on_fit_end(trainer, state)`: once, when `fit` returns (also after a stop).
 
-    `trainer.fit_run` (a `lowtrain.train.FitRun`: its `plan` with the last step and
+    `trainer.fit_run` (a `lowtrain.train.FitRun`: its `schedule` with the last step and
     the checkpoint directory, its `data`, ...) is the run in progress, and
     `trainer.use_precision(...)` changes the precision from the next step.
 
@@ -159,8 +159,8 @@ def _monitored(info: StepInfo, monitor: str, who: str) -> float:
 def _check_evaluates(trainer, monitor: str, who: str) -> None:
     # A callback that acts at evaluations, in a fit that never evaluates, would
     # never act: said at the start, not discovered after the run.
-    plan = getattr(trainer, "fit_plan", None)  # None: called outside `fit`
-    if plan is not None and plan.eval_data is None:
+    run = getattr(trainer, "fit_run", None)  # None: called outside `fit`
+    if run is not None and run.schedule.eval_data is None:
         raise ValueError(
             f"{who}: expected `fit(eval_data=...)` to watch {monitor!r} (it acts at "
             "each evaluation), got no eval data: it would never act. Pass "
@@ -300,7 +300,7 @@ class BestCheckpoint(Callback):
     def on_fit_start(self, trainer, state) -> None:
         directory = self._given
         if directory is None:
-            parent = trainer.fit_plan.checkpoint_dir
+            parent = trainer.fit_run.schedule.checkpoint_dir
             if parent is None:
                 raise ValueError(
                     "BestCheckpoint: expected `fit(checkpoint_dir=...)` or "

@@ -1,7 +1,7 @@
 """`FitRun`: one `Trainer.fit`, its loop state and one method per phase.
 
 `Trainer` keeps the model's side (its state, loss, compiled step and evaluation);
-a `FitRun` owns what one `fit` needs besides: its `FitPlan` (what happens at which
+a `FitRun` owns what one `fit` needs besides: its `Schedule` (what happens at which
 step), the checkpoint saver and the run folder's lock, loggers, the progress bar,
 the throughput clock, the health check one step behind, and the stop signals. Its
 `__call__` is the loop, and the order of one step is the code of `after_step`:
@@ -62,7 +62,7 @@ class FitRun:
     """One `Trainer.fit` in progress: `trainer.fit_run` while it runs.
 
     Built by `fit` from its arguments (see there); callbacks reach it as
-    `trainer.fit_run` to read the run (`plan`, `data`, `start`, `resumed`,
+    `trainer.fit_run` to read the run (`schedule`, `data`, `start_step`, `resumed`,
     `metrics_file`) or add to it (`log_event`). Calling it trains from `state` and
     returns the new state; the phases are its methods, in the order of the module
     docstring of `lowtrain/train/_loop.py`.
@@ -80,7 +80,7 @@ class FitRun:
     class Watch(lowtrain.train.Callback):
         def on_fit_start(self, trainer, state):
             run = trainer.fit_run  # the fit in progress
-            self.seen = (run.plan.total, run.start_step, run.resumed)
+            self.seen = (run.schedule.total, run.start_step, run.resumed)
 
     trainer = Fit(eqx.nn.Linear(2, 1, key=jax.random.key(0)), optax.sgd(0.1))
     data = {"x": jax.numpy.ones((4, 2)), "y": jax.numpy.zeros((4, 1))}
@@ -95,7 +95,7 @@ class FitRun:
         self,
         trainer,
         data: Callable[[int], PyTree],
-        plan: FitPlan,
+        schedule: Schedule,
         *,
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[Logger] = (),
@@ -106,7 +106,7 @@ class FitRun:
         progress: bool = True,
         stop_signals: Sequence[str | int] | None = None,
     ):
-        self.trainer, self.data, self.plan = trainer, data, plan
+        self.trainer, self.data, self.schedule = trainer, data, schedule
         self.callbacks = check_callbacks(callbacks)
         self.loggers = check_loggers(loggers)
         self.metrics_file = metrics_file
@@ -141,7 +141,7 @@ class FitRun:
             self.watch.install()
             for c in self.callbacks:
                 c.on_fit_start(self.trainer, state)
-            for s in range(self.start_step, self.plan.total):
+            for s in range(self.start_step, self.schedule.total):
                 state, metrics, batch = self.step(s, state)
                 info = self.after_step(s + 1, state, metrics, batch)
                 if info is not None and (info.stopping or self.signum is not None):
@@ -154,22 +154,22 @@ class FitRun:
     def after_step(self, done: int, state, metrics, batch) -> StepInfo | None:
         """Everything after the step that makes `state.step == done`, in order; the
         `StepInfo` where anything ran (None: a step that syncs nothing)."""
-        plan, trainer = self.plan, self.trainer
+        when, trainer = self.schedule, self.trainer
         hooks = [h for h in trainer.hooks if done % h.every == 0]
         calls = [c for c in self._step_callbacks if c.due(done)]
-        log_now, eval_now = plan.log_at(done), plan.eval_at(done)
-        save_now = plan.save_at(done)
+        log_now, eval_now = when.log_at(done), when.eval_at(done)
+        save_now = when.save_at(done)
         sync = bool(hooks or calls) or log_now or eval_now or save_now
         # A stop signal, a save on time: looked at every step by one process;
         # agreed at the steps every process syncs at by many.
-        due = plan.save_due(time.monotonic() - self.last_save)
+        due = when.save_due(time.monotonic() - self.last_save)
         if self.single:
             self.signum = self.watch.received
         elif sync:
             self.signum, due = agree(self.watch.received, due)
         else:
             due = False
-        save_now = save_now or due or plan.can_save(self.signum is not None)
+        save_now = save_now or due or when.can_save(self.signum is not None)
         log_now = log_now or self.signum is not None
         sync = sync or save_now or log_now
         self.check_health(done - 1, metrics["health"], state, sync)
@@ -187,7 +187,7 @@ class FitRun:
         self.call_back(info, eval_now, calls, hooks)
         if info.stopping:
             log.info("stopping at step %d: %s", done, "; ".join(info._stop))
-            if plan.checkpoint_dir is not None and not save_now:
+            if when.checkpoint_dir is not None and not save_now:
                 self.save(info)
         self.clock = (done, time.perf_counter())  # not counting logs, evals, saves
         return info
@@ -198,13 +198,13 @@ class FitRun:
         """Lock the checkpoint folder (one run per folder; process 0 holds it for
         the run's processes), resume or check it is empty, restore the data's
         position, open the metrics file and the progress bar."""
-        plan = self.plan
-        if plan.checkpoint_dir and self.is_main:
-            self.lock = RunLock(plan.checkpoint_dir)
+        when = self.schedule
+        if when.checkpoint_dir and self.is_main:
+            self.lock = RunLock(when.checkpoint_dir)
             self.lock.acquire()
         try:
             state, self.saver, self.resumed = resume_or_check_empty(
-                state, plan, self.resume, self.asynchronous
+                state, when, self.resume, self.asynchronous
             )
             restore_data_position(self.data, self.resumed)
         except BaseException:
@@ -219,8 +219,8 @@ class FitRun:
         if not self.is_main:
             self.loggers = []
         self.bar = tqdm(
-            total=plan.total,
-            initial=min(start, plan.total),
+            total=when.total,
+            initial=min(start, when.total),
             disable=not (self.progress and self.is_main),  # one bar per run
             unit="step",
         )
@@ -289,7 +289,7 @@ class FitRun:
         )
 
     def evaluate(self, info: StepInfo) -> StepInfo:
-        results = self.trainer.run_evaluation(info.state, self.plan.eval_data)
+        results = self.trainer.run_evaluation(info.state, self.schedule.eval_data)
         return dataclasses.replace(info, eval=results)
 
     def log(self, info: StepInfo) -> StepInfo:
@@ -364,7 +364,7 @@ class FitRun:
 
 
 @dataclasses.dataclass(frozen=True)
-class FitPlan:
+class Schedule:
     """`Trainer.fit`'s arguments, checked: the last step and what happens when.
 
     `log_at(step)`, `eval_at(step)`, `save_at(step)` say whether `fit` logs,
@@ -405,7 +405,7 @@ class FitPlan:
         return wanted and self.checkpoint_dir is not None
 
 
-def plan_fit(
+def schedule_fit(
     state: Any,
     data: Any,
     *,
@@ -419,8 +419,8 @@ def plan_fit(
     keep_checkpoints,
     resume,
     checkpoint_every_minutes=None,
-) -> FitPlan:
-    """Check `Trainer.fit`'s arguments (see there) and return its `FitPlan`."""
+) -> Schedule:
+    """Check `Trainer.fit`'s arguments (see there) and return its `Schedule`."""
     if not callable(data):
         raise TypeError(
             "Expected `data` to be a function of the step, `data(step) -> batch` "
@@ -465,7 +465,7 @@ def plan_fit(
             "Expected a `checkpoint_dir` with `checkpoint_every`, "
             "`checkpoint_every_minutes` or `resume`, got None instead."
         )
-    return FitPlan(
+    return Schedule(
         total=total,
         log_every=log_every,
         eval_every=eval_every,
@@ -478,15 +478,15 @@ def plan_fit(
 
 
 def resume_or_check_empty(
-    state, plan: FitPlan, resume: bool | str, asynchronous: bool = False
+    state, when: Schedule, resume: bool | str, asynchronous: bool = False
 ) -> tuple[Any, Checkpoints, pathlib.Path | None]:
     """The state to start from: with `resume`, the newest checkpoint in
-    `plan.checkpoint_dir` that passes its checks (none: an error, or `state` for
+    `when.checkpoint_dir` that passes its checks (none: an error, or `state` for
     `resume="auto"`), else `state`; a directory that holds checkpoints without
     `resume` is an error. And the `Checkpoints` that `fit` saves with (`close`
     it), and the path resumed from (or None)."""
-    ckpt_dir = plan.checkpoint_dir
-    saver = lambda: Checkpoints(ckpt_dir, plan.keep_checkpoints, asynchronous)
+    ckpt_dir = when.checkpoint_dir
+    saver = lambda: Checkpoints(ckpt_dir, when.keep_checkpoints, asynchronous)
     if ckpt_dir is None:
         return state, saver(), None
     if resume:

@@ -1,7 +1,8 @@
-"""`Trainer`: a plain class with a few override points; `fit` runs the loop. Below
-it, what the loop needs besides itself: its arguments validated into a `FitPlan`
-(what happens at which step), the non-finite loss check, `StepInfo`s and metric
-records."""
+"""`Trainer`: the model's side of training, a plain class with a few override points
+(`loss`, `evaluate`, `train_step`): its state, the compiled step, evaluation and
+the precision it runs. `fit` checks its arguments into a `Schedule` and hands the
+loop to a `FitRun` (`_loop.py`). Below it, the checks of what `loss` returns and of
+a model state, and the weighted mean of eval metrics."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from ._finite import skip_nonfinite
 from ._health import DivergenceCheck, skips_in_a_row
 from ._hooks import Hook, StepInfo, positive_int
 from ._jit import async_filter_jit
-from ._loop import FitPlan, FitRun, batch_size, plan_fit
+from ._loop import FitRun, batch_size, schedule_fit
 from ._metrics import global_norm
 from ._nnx import has_inplace_state, keep_inplace_state, read_inplace_state
 from ._numerics import NumericsRecorder
@@ -536,7 +537,7 @@ class Trainer:
           late, so the device never waits for it, except at steps that log,
           evaluate, run hooks or write a checkpoint, where it is checked first.
         """
-        plan = plan_fit(
+        schedule = schedule_fit(
             state,
             data,
             steps=steps,
@@ -553,7 +554,7 @@ class Trainer:
         run = FitRun(
             self,
             data,
-            plan,
+            schedule,
             callbacks=callbacks,
             loggers=loggers,
             metrics_file=metrics_file,
@@ -568,11 +569,6 @@ class Trainer:
             return run(state)
         finally:
             self.fit_run = None
-
-    @property
-    def fit_plan(self) -> FitPlan | None:
-        """The `FitPlan` of the `fit` in progress (None outside `fit`)."""
-        return None if self.fit_run is None else self.fit_run.plan
 
 
 def check_trainer_args(cls: type, no_loss: bool, optimizer) -> None:

@@ -10,7 +10,7 @@ from ._core import at_least_float32, logarithmic_interpolation
 from ._scale import scale_bwd, scale_fwd
 
 
-def _attention_scale(seq: int, head_dim: int, is_causal: bool, mult: float) -> float:
+def attention_scale(seq: int, head_dim: int, is_causal: bool, mult: float) -> float:
     # With the 1/d temperature and unit-normal q, k the logits have RMS
     # mult / sqrt(d): attention is nearly flat, so each output row averages the
     # values it sees. Non-causal: `seq` values, variance 1 / seq. Causal: row i sees
@@ -80,7 +80,7 @@ def scaled_dot_product_attention(
         raise ValueError(
             f"`is_causal=True` expected q_seq == kv_seq, got {q_seq} and {kv_seq}."
         )
-    scale = _attention_scale(kv_seq, head_dim, is_causal, mult)
+    scale = attention_scale(kv_seq, head_dim, is_causal, mult)
     q, k, v = (scale_bwd(t, scale) for t in (q, k, v))
     logits = jnp.einsum("...qd,...kd->...qk", q, k) * (mult / head_dim)
     logits = at_least_float32(logits)

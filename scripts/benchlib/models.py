@@ -29,10 +29,9 @@ from jax import lax
 import lowtrain
 import lowtrain.unit_scaling.functional as U
 from lowtrain.fp8 import fp8_dot_general
-from lowtrain.recipes._config import GPTConfig
-from lowtrain.recipes._layers import Linear
 from lowtrain.recipes.gpt import GPT, Block
 from lowtrain.recipes.gpt import cross_entropy as lean_cross_entropy
+from lowtrain.recipes.internal import GPTConfig, Linear
 from lowtrain.recipes.mnist import MLP
 
 F32 = jnp.float32

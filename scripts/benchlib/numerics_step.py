@@ -34,7 +34,7 @@ import jax
 import optax
 
 import lowtrain.numerics
-from lowtrain.numerics._track import _tracked_call
+from lowtrain.numerics.internal import tracked_call
 from lowtrain.recipes import gpt, precisions
 
 from . import models, report, timing
@@ -81,7 +81,7 @@ def _compare(label, plain, tracked, fn, args, casts, steps, rounds) -> dict:
 
     with jax.numpy_dtype_promotion("standard"):
         compile_plain = _compile_seconds(plain, *args)
-        compile_tracked = _compile_seconds(_tracked_call, fn, args, {}, casts)
+        compile_tracked = _compile_seconds(tracked_call, fn, args, {}, casts)
         times = _alternate({"plain": run_plain, "tracked": run_tracked}, steps, rounds)
     return {
         "step": label,

@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from hydra import compose, initialize_config_module
 
-from lowtrain.recipes import _common, _config, _run, gpt
-from lowtrain.recipes._config import CrossEntropy
-from lowtrain.recipes._layers import decay_mask
+from lowtrain.recipes import gpt
+from lowtrain.recipes import internal as recipes
+from lowtrain.recipes.internal import CrossEntropy, decay_mask
 from lowtrain.train import async_filter_jit
 
 from . import models, timing, unit_twin
@@ -101,7 +101,7 @@ UNIT_SIZES = {
 }
 FP8_GEMM = "__cublas$lt$matmul$f8"
 
-_config.register()
+recipes.register()
 
 
 def device_name() -> str | None:
@@ -199,7 +199,7 @@ def compose_config(recipe: str, overrides: list[str]):
     """The recipe's composed config (`DictConfig`) and its checked `Config`."""
     with initialize_config_module("lowtrain.conf", version_base="1.3"):
         cfg = compose("config", overrides=[f"recipe={recipe}", *overrides])
-    return cfg, _run.to_config(cfg)
+    return cfg, recipes.to_config(cfg)
 
 
 def make_case(
@@ -219,8 +219,8 @@ def make_case(
     cfg, config = compose_config(RECIPES[precision], overrides)
     model, trainer_class = gpt.build_model(config.model, vocab, key=jax.random.key(0))
     steps = config.trainer.steps  # the schedule's length; the bench runs fewer
-    optimizer = _common.optimizer(cfg, steps, decay_mask, model)
-    trainer = trainer_class(model, optimizer, **_common.trainer_options(config))
+    optimizer = recipes.optimizer(cfg, steps, decay_mask, model)
+    trainer = trainer_class(model, optimizer, **recipes.trainer_options(config))
     hand = None
     if precision == "fp32":
         hand = models.loss

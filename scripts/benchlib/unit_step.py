@@ -42,7 +42,7 @@ import optax
 
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
-from lowtrain.unit_scaling._residual import next_stream_scale
+from lowtrain.unit_scaling.internal import next_stream_scale
 
 from . import models, report, timing
 

@@ -34,12 +34,14 @@ import lowtrain
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
 from lowtrain.fp8 import fp8_dot_general
-from lowtrain.recipes._config import NaiveFp8PrecisionConfig
-from lowtrain.unit_scaling._activations import glu_scale
-from lowtrain.unit_scaling._attention import _attention_scale
-from lowtrain.unit_scaling._core import leading_size
-from lowtrain.unit_scaling._residual import next_stream_scale
-from lowtrain.unit_scaling._swiglu import folds
+from lowtrain.recipes.internal import NaiveFp8PrecisionConfig
+from lowtrain.unit_scaling.internal import (
+    attention_scale,
+    folds,
+    glu_scale,
+    leading_size,
+    next_stream_scale,
+)
 
 F32 = jnp.float32
 
@@ -110,7 +112,7 @@ def _attention(mm: UnitMatmuls, q, k, v, mult: float):
     """`U.scaled_dot_product_attention(q, k, v, is_causal=True, mult=mult)`: the
     products by `mm`, the softmax in float32 on the masked half scores."""
     seq, head_dim = q.shape[-2:]
-    scale = _attention_scale(seq, head_dim, True, mult)
+    scale = attention_scale(seq, head_dim, True, mult)
     q, k, v = (U.scale_bwd(t, scale) for t in (q, k, v))
     logits = mm(q, k, "attention", "...qd,...kd->...qk") * (mult / head_dim)
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((seq, seq), bool)), logits.shape)
