@@ -77,31 +77,39 @@ def _is_package(module: str) -> bool:
 
 def _imports(module: str) -> set[str]:
     """The project modules `module` imports, anywhere in its file."""
-    tree = ast.parse(MODULES[module].read_text())
-    package = module if _is_package(module) else module.rpartition(".")[0]
     out = set()
+    for name, _ in _imported(module, MODULES[module].read_text()):
+        while name and name not in MODULES:  # `import a.b.c` of a module a.b
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.add(name)
+    return out
+
+
+def _imported(module: str, source: str):
+    """`(target module, name or None)` for each import of `module` (`source`: its
+    text; the name None where it imports a module): `from pkg import name` is the
+    submodule `pkg.name` if there is one."""
+    tree = ast.parse(source)
+    package = _package(module)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parent = package.split(".")
                 parent = parent[: len(parent) - node.level + 1]
                 base = ".".join(filter(None, [*parent, base]))
-            # `from pkg import name`: the submodule `pkg.name` if there is one.
-            names = [
-                f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
-                for a in node.names
-            ]
-        else:
-            continue
-        for name in names:
-            while name and name not in MODULES:  # `import a.b.c` of a module a.b
-                name = name.rpartition(".")[0]
-            if name and name != module:
-                out.add(name)
-    return out
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                yield (full, None) if full in MODULES else (base, alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+
+
+def _package(module: str) -> str:
+    package = module in MODULES and _is_package(module)
+    return module if package else module.rpartition(".")[0]
 
 
 GRAPH = {m: _imports(m) for m in MODULES}
@@ -269,31 +277,6 @@ def test_architecture_doc_example_runs():
 
 
 # -- private names stay in their package ---------------------------------------------
-
-
-def _imported(module: str, source: str):
-    """`(target module, name or None)` for each import of `module` (`source`: its
-    text; the name None where it imports a module)."""
-    tree = ast.parse(source)
-    package = _package(module)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parent = package.split(".")
-                parent = parent[: len(parent) - node.level + 1]
-                base = ".".join(filter(None, [*parent, base]))
-            for alias in node.names:
-                full = f"{base}.{alias.name}"
-                yield (full, None) if full in MODULES else (base, alias.name)
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                yield alias.name, None
-
-
-def _package(module: str) -> str:
-    package = module in MODULES and _is_package(module)
-    return module if package else module.rpartition(".")[0]
 
 
 def _private(part: str) -> bool:
