@@ -159,7 +159,7 @@ def test_early_stopping_stops_a_run_under_the_autopilot(tmp_path):
         progress=False,
     )
     assert int(state.step) == 3  # the first eval sets the best; two without gain
-    assert [s for s, _ in pilot.plans] == [1, 3]
+    assert [s for s, _ in pilot.plans] == [1]  # none at the step the run ends
 
 
 class Own(lowtrain.Trainer):
@@ -402,3 +402,15 @@ def test_the_cli_resumes_with_the_plan_in_effect(tmp_path, caplog):
     assert summary["steps"] == 7 and summary["auto"]["plans"] == 3
     saved = json.loads((out / "plan.json").read_text())
     assert [h["step"] for h in saved["history"]] == [1, 3, 6]
+
+
+@pytest.mark.slow
+def test_the_cli_stops_early_under_the_autopilot(tmp_path):
+    # `precision.auto=true trainer.early_stopping=1`: one fit, so the patience
+    # counts across plans and the stop ends the run (evaluations every 3 steps; no
+    # evaluation improves on the first by 1e9).
+    out = tmp_path / "run"
+    extra = ("trainer.early_stopping=1", "trainer.min_delta=1e9")
+    summary = _run.run(_cli_config(tmp_path, 20, *extra), out)
+    assert summary["steps"] == summary["stopped_early_at"] == 6
+    assert summary["auto"]["plans"] == 2  # steps 1 and 3; the run ended at 6

@@ -34,6 +34,8 @@ def check_row(row, precision):
     over = row["overhead"]
     assert over["ratio"] == pytest.approx(over["fit_s"] / over["plain_s"])
     assert over["log_every"] == 25 and over["steps"] == 20
+    if precision in ("fp32", "bf16", "fp16", "fp8"):  # a hand-written twin
+        assert over["fit_over_hand"] == pytest.approx(over["fit_s"] / over["hand_s"])
 
 
 # In the default run (20 s on one core: three compiles, then 200 steps): the one

@@ -170,7 +170,8 @@ class Autopilot(Callback):
             self._plan(trainer, start, state)
 
     def on_step_end(self, trainer, info) -> None:
-        self._plan(trainer, info.step, info.state)
+        if not info.stopping:  # a run that ends here trains no further
+            self._plan(trainer, info.step, info.state)
 
     def _plan(self, trainer, step: int, state) -> None:
         current = self.at(step)

@@ -15,7 +15,7 @@ from .._loss_scale import AbstractLossScale, DynamicLossScale, NoOpLossScale
 from .._rewrite import Rule, rewrite
 from ..fp8.internal import advanced_scales, split_records, zero_scales
 from ..unit_scaling import constraints, unit_scale
-from ._protocol import Precision, as_precision
+from ._protocol import Chain, Precision
 
 F32 = jnp.float32
 
@@ -254,9 +254,18 @@ class UnitScale(Precision):
 
 def resolve(precision) -> Precision:
     """The `Precision` the Trainer runs, from its `precision` argument (see
-    `Trainer`): a policy (or None: "fp32") means `[Amp(policy), DelayedFp8()]`."""
+    `Trainer`): a policy (or None: "fp32") means `[Amp(policy), DelayedFp8()]`; a
+    list or tuple of precisions, their `Chain`."""
     if precision is None or isinstance(precision, str | Policy):
         # A policy: AMP, and the FP8 delayed-scaling state of the model if it has
         # any (`DelayedFp8` leaves a model without it alone).
-        return as_precision([Amp(precision or "fp32"), DelayedFp8()])
-    return as_precision(precision)
+        return Chain(Amp(precision or "fp32"), DelayedFp8())
+    if isinstance(precision, Precision):
+        return precision
+    if isinstance(precision, list | tuple):
+        return Chain(*precision)
+    raise TypeError(
+        "Expected a `lowtrain.train.Precision` (e.g. `lowtrain.train.Amp('bf16')`), "
+        f"a list of them, or a policy name such as 'bf16', got "
+        f"{type(precision).__name__} instead."
+    )

@@ -3,7 +3,7 @@ fixed points of its step; `Chain` composes several."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -186,16 +186,3 @@ class Chain(Precision):
 
     def export(self, model):
         return self._fold("export", model)
-
-
-def as_precision(precision: Precision | Sequence[Precision]) -> Precision:
-    """A `Precision` from one, or from a list or tuple of them (chained)."""
-    if isinstance(precision, Precision):
-        return precision
-    if isinstance(precision, list | tuple):
-        return Chain(*precision)
-    raise TypeError(
-        "Expected a `lowtrain.train.Precision` (e.g. `lowtrain.train.Amp('bf16')`), "
-        f"a list of them, or a policy name such as 'bf16', got "
-        f"{type(precision).__name__} instead."
-    )
