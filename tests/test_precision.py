@@ -123,3 +123,19 @@ def test_scalify_exports_plain_values():
     assert all(
         x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(plain, eqx.is_array))
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["fp8_delayed", "fp8_naive", "scalify_fp16", "scalify_fp8"]
+)
+def test_a_recipe_precision_name_in_python_names_its_factory(name):
+    # The CLI's `precision=fp8_delayed` is a factory of the recipes, not a policy:
+    # in Python the name says which factory builds it, and that factory does.
+    from lowtrain.recipes import precisions
+    from lowtrain.train._precisions import RECIPE_PRECISIONS, resolve
+
+    with pytest.raises(ValueError, match=r"lowtrain\.recipes\.precisions\."):
+        resolve(name)
+    call = RECIPE_PRECISIONS[name]
+    built = eval(f"precisions.{call}", {"precisions": precisions})
+    assert isinstance(resolve(built), lowtrain.train.Precision)

@@ -252,10 +252,28 @@ class UnitScale(Precision):
         return unit_scale(model, constraint=self.constraint)
 
 
+# The recipes' precisions that are not policies (conf/precision/), and the factory
+# of `lowtrain.recipes.precisions` that builds each in Python.
+RECIPE_PRECISIONS = {
+    "fp8_delayed": "delayed_fp8()",
+    "fp8_naive": "naive_fp8()",
+    "scalify_fp16": "scalify()",
+    "scalify_fp8": "scalify(fp8=True)",
+}
+
+
 def resolve(precision) -> Precision:
     """The `Precision` the Trainer runs, from its `precision` argument (see
     `Trainer`): a policy (or None: "fp32") means `[Amp(policy), DelayedFp8()]`; a
     list or tuple of precisions, their `Chain`."""
+    if isinstance(precision, str) and precision in RECIPE_PRECISIONS:
+        raise ValueError(
+            f"Expected a policy name (fp32, bf16, fp16, fp8) or a `Precision`, got "
+            f"{precision!r}, the name of a precision of the recipes "
+            f"(`python -m lowtrain precision={precision}`) instead. In Python, pass "
+            f"`lowtrain.recipes.precisions.{RECIPE_PRECISIONS[precision]}` (it "
+            "builds the same precision), or see the Trainer guide's precisions."
+        )
     if precision is None or isinstance(precision, str | Policy):
         # A policy: AMP, and the FP8 delayed-scaling state of the model if it has
         # any (`DelayedFp8` leaves a model without it alone).

@@ -45,6 +45,10 @@ log = logging.getLogger("lowtrain")
 class Trainer:
     """Trains an Equinox model with an Optax optimizer; subclass it and define `loss`.
 
+    **Arguments:**
+
+    - `model`: the Equinox model (any pytree the loss takes); `optimizer`: an Optax
+      `GradientTransformation`.
     - `precision`: a `lowtrain.train.Precision` (`Amp`, `Scalify`, `DelayedFp8`,
       `Rewrite`, your own) or a list of them (chained): `self.precision`, whose
       hooks the step calls. A policy instead (a `lowtrain.Policy` or a name:
@@ -479,6 +483,8 @@ class Trainer:
         """Train from `state` until `state.step == steps`, and return the new state.
 
         Nothing is done if `state.step >= steps` already (after `resume`, say).
+
+        **Arguments:**
 
         - `data(step) -> batch` gives the batch of each step (a function of the step,
           so a resumed run sees the same batches; `lowtrain.ArrayBatches` is one,
