@@ -158,13 +158,12 @@ def _cond_rule(interp, eqn: Eqn, index, *ops):
         trace_once(_sub(interp, br, eqn.scopes), op_types)
         for br in eqn.params["branches"]
     ]
-    runs = [lambda o, r=r: r(list(o)) for r, _ in traced]
     types = [interp.join(ts) for ts in zip(*(t for _, t in traced))]
 
-    def typed(run):
-        return lambda *o: [interp.coerce(v, t) for v, t in zip(run(o), types)]
+    def typed(replay):
+        return lambda *o: [interp.coerce(v, t) for v, t in zip(replay(list(o)), types)]
 
-    return list(lax.switch(index, [typed(r) for r in runs], *ops))
+    return list(lax.switch(index, [typed(r) for r, _ in traced], *ops))
 
 
 def _lazy(make):

@@ -135,7 +135,7 @@ class Autopilot(Callback):
         self.keep = sorted(str(k) for k in keep)
         self.directory = None if directory is None else pathlib.Path(directory)
         self.plans: list[tuple[int, Plan]] = []  # (step, plan) in effect from step
-        self._tracked: dict[int, tuple[Precision, Callable]] = {}
+        self._tracked: tuple[Callable, Callable] | None = None  # (step fn, tracked)
         self._out: pathlib.Path | None = None
         self._total = 0  # the fit's last step
 
@@ -158,7 +158,7 @@ class Autopilot(Callback):
         run = trainer.fit_run
         self._total = run.schedule.total
         self._out = self.directory or run.schedule.checkpoint_dir
-        self._tracked = {}
+        self._tracked = None
         self.plans = self._read() if run.resumed is not None else []
         start = int(state.step)
         current = self.at(start)
@@ -236,19 +236,13 @@ class Autopilot(Callback):
         return total / span if span > 0 else self.plans[-1][1].fp8_share
 
     def _reports(self, trainer, state, step: int) -> list:
-        # Casts reports of the loss and gradients on the batches of the next
-        # `batches` steps, at `state` (nothing is trained); one tracked program per
-        # precision, compiled once.
-        precision, tracked = self._tracked.get(id(trainer.precision), (None, None))
-        if precision is not trainer.precision:
-
-            def loss_and_grads(batch, s):
-                ((loss, _), grads, _), _, _ = trainer.loss_and_grads(s, batch)
-                return grads, {"loss": loss}
-
-            step_fn = trainer.precision.wrap_step(loss_and_grads)
-            tracked = numerics.track(step_fn, casts=True)
-            self._tracked[id(trainer.precision)] = (trainer.precision, tracked)
+        # Casts reports of the step's loss and gradients (the program the Trainer's
+        # numerics reports track) on the batches of the next `batches` steps, at
+        # `state` (nothing is trained); tracked once per precision.
+        fn = trainer._numerics_step  # made again by `use_precision`
+        if self._tracked is None or self._tracked[0] is not fn:
+            self._tracked = (fn, numerics.track(fn, casts=True))
+        tracked = self._tracked[1]
         data = trainer.fit_run.data
         return [
             tracked(trainer.shard_batch(data(step + i)), state)[1]

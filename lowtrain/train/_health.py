@@ -60,14 +60,16 @@ class DivergenceCheck:
 
 
 class HealthCheck:
-    """What `Trainer.fit` checks of each step's `health` (see `Trainer.train_step`):
-    the Trainer's `stop_on_nonfinite`, `max_consecutive_skips` and divergence
-    check, and the loss scale's floor."""
+    """What one `Trainer.fit` checks of each step's `health` (see
+    `Trainer.train_step`): the Trainer's `stop_on_nonfinite`,
+    `max_consecutive_skips` and divergence check (reset here), and the loss scale's
+    floor."""
 
     def __init__(self, stop_on_nonfinite: bool, max_skips: int | None, divergence):
         self.stop_on_nonfinite = stop_on_nonfinite
         self.max_skips = max_skips
         self.divergence = divergence
+        divergence.reset()  # a new fit: no losses seen
 
     def __call__(self, step: int, health, min_scale) -> None:
         """Check `health` of the update from `state.step == step` (raises

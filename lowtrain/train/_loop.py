@@ -227,7 +227,6 @@ class FitRun:
         self.clock = (start, time.perf_counter())
         self.last_save = time.monotonic()
         trainer = self.trainer
-        trainer._divergence.reset()
         self.health = HealthCheck(
             trainer.stop_on_nonfinite,
             trainer.max_consecutive_skips,

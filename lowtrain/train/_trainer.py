@@ -360,8 +360,11 @@ class Trainer:
                     "`trainer.init` (or a checkpoint of that precision) instead."
                 )
         self.precision = resolved
-        for name in ("compiled_step", "_numerics_step", "_compiled_eval"):
-            self.__dict__.pop(name, None)
+        # Every program the Trainer (or a subclass) compiled for the old one.
+        for cls in type(self).__mro__:
+            for name, attr in vars(cls).items():
+                if isinstance(attr, functools.cached_property):
+                    self.__dict__.pop(name, None)
 
     def shard_batch(self, batch: PyTree) -> PyTree:
         """Place `batch` on the devices, split along its leading axis.
@@ -404,7 +407,8 @@ class Trainer:
     @functools.cached_property
     def _numerics_step(self) -> Callable:
         # The step's own loss and gradients, as its precision runs them, for a
-        # `NumericsRecorder` to track: `(batch, state) -> (grads, {"loss": loss})`.
+        # `NumericsRecorder` and the `Autopilot` to track: `(batch, state) ->
+        # (grads, {"loss": loss})`.
         def loss_and_grads(batch, state):
             ((loss, _), grads, _), _, _ = self.loss_and_grads(state, batch)
             return grads, {"loss": loss}
