@@ -168,6 +168,21 @@ def dot_product_attention(
     implementation's ops on any device; other transforms (`numerics`, `unit_scale`)
     see the op that runs.
 
+    **Arguments:**
+
+    - `query`: float array of shape `(batch, q_seq, heads, head_size)`.
+    - `key`: float array of shape `(batch, kv_seq, kv_heads, head_size)`, where
+      `kv_heads` divides `heads` (grouped-query attention when fewer).
+    - `value`: float array of the shape of `key`.
+    - `is_causal`: whether query position `t` attends only to key positions `<= t`
+      (a lower-triangular mask); default False.
+    - `scale`: the factor the logits are multiplied by; default (None)
+      `1 / sqrt(head_size)`.
+    - `implementation`: "xla", "cudnn" or None (the default: chosen as above).
+
+    All three share their leading (batch) axes, as said above. Returns an array of
+    the shape of `query`.
+
     ```python
     import jax
     import jax.numpy as jnp

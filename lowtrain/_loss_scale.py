@@ -97,13 +97,17 @@ class AbstractLossScale(eqx.Module):
     """
 
     @abc.abstractmethod
-    def scale(self, tree: PyTree) -> PyTree: ...
+    def scale(self, tree: PyTree) -> PyTree:
+        """`tree` (the loss, or any pytree) multiplied by the scale."""
 
     @abc.abstractmethod
-    def unscale(self, tree: PyTree) -> PyTree: ...
+    def unscale(self, tree: PyTree) -> PyTree:
+        """`tree` (the gradients) divided by the scale, each leaf back in its dtype."""
 
     @abc.abstractmethod
-    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> AbstractLossScale: ...
+    def adjust(self, grads_finite: Bool[ArrayLike, ""]) -> AbstractLossScale:
+        """The loss scale for the next step, given `grads_finite` (a bool scalar:
+        whether every gradient of this step was finite)."""
 
     @property
     def value(self) -> Float[Array, ""]:
@@ -170,6 +174,11 @@ class StaticLossScale(AbstractLossScale):
     loss_scale: Float[Array, ""]
 
     def __init__(self, scale: ArrayLike):
+        """**Arguments:**
+
+        - `scale`: the loss scale, a positive finite scalar (any numeric dtype;
+          stored as float32).
+        """
         self.loss_scale = _f32_scalar(scale, "scale")
 
     @property
@@ -234,6 +243,21 @@ class DynamicLossScale(AbstractLossScale):
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
     ):
+        """**Arguments:**
+
+        - `scale`: the starting loss scale, a positive finite scalar in
+          `[min_scale, max_scale]` (stored as float32); default `2**15`.
+        - `growth_interval`: the number of consecutive finite steps after which the
+          scale grows, an int in `[1, 2**31 - 1]`; default 2000.
+        - `growth_factor`: what the scale is multiplied by when it grows, a float
+          `> 1`; default 2.
+        - `backoff_factor`: what the scale is multiplied by after a non-finite
+          step, a float in `(0, 1)`; default 0.5.
+        - `min_scale`: the lowest scale it backs off to, a finite float `> 0`;
+          default 1.
+        - `max_scale`: the highest scale it grows to, a float `>= min_scale` (may be
+          `inf`); default `2**24`.
+        """
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
             raise TypeError(
                 "Expected an int `growth_interval` (steps between growths), got "

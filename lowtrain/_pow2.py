@@ -10,11 +10,11 @@ POW2_MODES = ("down", "up", "none")
 
 
 def pow2_round(x: ArrayLike, mode: str = "down") -> Array:
-    """Round positive `x` to a power of two: "down" (the largest power of two <= x),
-    "up" (the smallest >= x) or "none" (unchanged). Zero and non-finite values pass
-    through. Exact, subnormals included (computed on the bit pattern; `exp2(floor(log2
-    x))` is not exact on every backend). Power-of-two scales make rescaling exact in
-    every float format.
+    """Round positive `x` (cast to float32) to a power of two, as `mode` says: "down"
+    (the default: the largest power of two <= x), "up" (the smallest >= x) or "none"
+    (unchanged). Zero, negative and non-finite values pass through. Exact, subnormals
+    included (computed on the bit pattern; `exp2(floor(log2 x))` is not exact on
+    every backend). Power-of-two scales make rescaling exact in every float format.
 
     ```python
     import lowtrain.scalify as scalify

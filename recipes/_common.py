@@ -154,6 +154,25 @@ def final_loss_scale(state: lowtrain.TrainState) -> float:
     return float(state.loss_scale.value)
 
 
+def fit_options(config: Config) -> dict[str, Any]:
+    """`lowtrain.Trainer.fit` keyword arguments from `trainer.*` of the config: the
+    schedule (`eval_every`, `log_every`, `checkpoint_every`,
+    `checkpoint_every_minutes`), `keep_checkpoints`, `async_checkpoint`, `resume`,
+    `stop_signals` and `progress`."""
+    t = config.trainer
+    return {
+        "eval_every": t.eval_every,
+        "log_every": t.log_every,
+        "checkpoint_every": t.checkpoint_every,
+        "checkpoint_every_minutes": t.checkpoint_every_minutes,
+        "keep_checkpoints": t.keep_checkpoints,
+        "async_checkpoint": t.async_checkpoint,
+        "resume": t.resume,
+        "stop_signals": list(t.stop_signals),
+        "progress": t.progress,
+    }
+
+
 def fit(
     trainer: lowtrain.Trainer,
     config: Config,
@@ -179,23 +198,48 @@ def fit(
     Returns the final state and the autopilot's summary (None without it); the
     Trainer ends with the precision it trained with last (the last plan's)."""
     t = config.trainer
-    extra = {
-        "config": (
-            {}
-            if cfg is None
-            else OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        ),
-        "data": data_fingerprint or {},
-    }
-    ckpt_dir = out / "checkpoints"
-    # The newest checkpoint that is intact (a damaged one is set aside, as the
-    # resume would): the one whose config the resume is checked against.
-    latest = (
-        lowtrain.latest_checkpoint(ckpt_dir, check_files=True) if t.resume else None
+    resolved = (
+        {}
+        if cfg is None
+        else OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     )
-    if latest is not None:
-        _check_resume(lowtrain.checkpoint_extra(latest), extra, t.resume_allow, out)
+    extra = {"config": resolved, "data": data_fingerprint or {}}
+    latest = _check_resume(out, extra, t)
+    trainer.add_hook(_eval_line(steps), every=t.eval_every or steps)
+    trainer.numerics.fmt = t.numerics_format
+    auto = getattr(config.precision, "auto", False)
+    pilot = _autopilot.autopilot(config.precision, out) if auto else None
+    callbacks = [
+        *run_callbacks(config),
+        *([pilot] if pilot else []),
+        *(callbacks or ()),
+    ]
+    loggers = _loggers(t.loggers, out, latest, resolved)
+    source = Prefetch(data, t.prefetch) if t.prefetch else data
+    try:
+        with logging_redirect_tqdm():  # log lines above the progress bar
+            state = trainer.fit(
+                trainer.init(key=key),
+                source,
+                steps=steps,
+                eval_data=eval_data,
+                metrics_file=out / "metrics.jsonl",
+                checkpoint_dir=out / "checkpoints",
+                checkpoint_extra=extra,
+                callbacks=callbacks,
+                loggers=loggers,
+                **fit_options(config),
+            )
+    finally:
+        if isinstance(source, Prefetch):
+            source.close()
+        for logger in loggers:
+            logger.close()
+    return state, (None if pilot is None else pilot.summary(steps))
 
+
+def _eval_line(steps: int) -> Callable[[lowtrain.StepInfo], None]:
+    # A hook that logs a line per evaluation: "step 500/2000: eval loss 1.7 ...".
     def report(info: lowtrain.StepInfo) -> None:
         if info.eval is not None:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in info.eval.items())
@@ -207,58 +251,38 @@ def fit(
                 info.loss,
             )
 
-    trainer.add_hook(report, every=t.eval_every or steps)
-    trainer.numerics.fmt = t.numerics_format
-    pilot = None
-    if getattr(config.precision, "auto", False):
-        pilot = _autopilot.autopilot(config.precision, out)
-    callbacks = [
-        *run_callbacks(config),
-        *([pilot] if pilot else []),
-        *(callbacks or ()),
+    return report
+
+
+def _loggers(names, out: pathlib.Path, latest, config: dict) -> list:
+    # The loggers `trainer.loggers` names, on process 0 (metrics.jsonl is always
+    # written: `fit`'s `metrics_file`), each given the run's config.
+    if jax.process_index() != 0:
+        return []
+    after = None if latest is None else int(latest.name.rsplit("_", 1)[1])
+    loggers = [
+        lowtrain.train.make_logger(name, out, after_step=after)
+        for name in names
+        if name != "jsonl"
     ]
-    loggers = []
-    if jax.process_index() == 0:
-        loggers = [
-            lowtrain.train.make_logger(name, out, after_step=_resumed_step(latest))
-            for name in t.loggers
-            if name != "jsonl"  # metrics.jsonl: always, `metrics_file` below
-        ]
-        for logger in loggers:
-            logger.log_hyperparams(extra["config"])
-    source = Prefetch(data, t.prefetch) if t.prefetch else data
-    try:
-        with logging_redirect_tqdm():  # log lines above the progress bar
-            state = trainer.fit(
-                trainer.init(key=key),
-                source,
-                steps=steps,
-                eval_data=eval_data,
-                eval_every=t.eval_every,
-                log_every=t.log_every,
-                metrics_file=out / "metrics.jsonl",
-                checkpoint_dir=ckpt_dir,
-                checkpoint_extra=extra,
-                checkpoint_every=t.checkpoint_every,
-                checkpoint_every_minutes=t.checkpoint_every_minutes,
-                stop_signals=list(t.stop_signals),
-                keep_checkpoints=t.keep_checkpoints,
-                async_checkpoint=t.async_checkpoint,
-                resume=t.resume,
-                progress=t.progress,
-                callbacks=callbacks,
-                loggers=loggers,
-            )
-    finally:
-        if isinstance(source, Prefetch):
-            source.close()
-        for logger in loggers:
-            logger.close()
-    return state, (None if pilot is None else pilot.summary(steps))
+    for logger in loggers:
+        logger.log_hyperparams(config)
+    return loggers
 
 
-def _check_resume(saved: dict, extra: dict, allow, out: pathlib.Path) -> None:
-    changes = resume_differences(saved, extra, allow)
+def _check_resume(out: pathlib.Path, extra: dict, t) -> pathlib.Path | None:
+    # The newest intact checkpoint a resume would load (a damaged one is set
+    # aside, as the resume would), refused if its config or data differ.
+    if not t.resume:
+        return None
+    latest = lowtrain.latest_checkpoint(out / "checkpoints", check_files=True)
+    changes = (
+        []
+        if latest is None
+        else resume_differences(
+            lowtrain.checkpoint_extra(latest), extra, t.resume_allow
+        )
+    )
     if changes:
         raise ValueError(
             f"Expected a resume of the run in {out} with what it was trained with, "
@@ -268,13 +292,7 @@ def _check_resume(saved: dict, extra: dict, allow, out: pathlib.Path) -> None:
             f"{out / 'config.yaml'}), start a new run in another directory, or "
             "list the keys to change on purpose: trainer.resume_allow=[key,...]."
         )
-
-
-def _resumed_step(latest) -> int | None:
-    # The step a resumed run goes on from (its loggers drop later rows), or None.
-    if latest is None:
-        return None
-    return int(latest.name.rsplit("_", 1)[1])
+    return latest
 
 
 def run_callbacks(config: Config) -> list:

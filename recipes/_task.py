@@ -106,16 +106,24 @@ class Task:
     trainer: type[lowtrain.Trainer] | None = None
 
     def model(self, config: Any, *, key: PRNGKeyArray) -> Any:
+        """The model, or `(model, state)` for a stateful one, built as `config` (the
+        run's `Config`) says, its random initialisation drawn from `key` (a PRNG
+        key). Required."""
         raise NotImplementedError(
             f"Expected {type(self).__name__} to define `model(self, config, *, key)`."
         )
 
     def data(self, config: Any) -> TaskData:
+        """The `TaskData` (train and eval data, fingerprint) for `config`, the run's
+        `Config`. Required."""
         raise NotImplementedError(
             f"Expected {type(self).__name__} to define `data(self, config)`."
         )
 
     def trainer_class(self, config: Any, model: Any) -> type[lowtrain.Trainer]:
+        """The `lowtrain.Trainer` subclass to train `model` (what `model(...)` built,
+        without its state) under `config`, the run's `Config`; default
+        `self.trainer`."""
         if self.trainer is None:
             raise TypeError(
                 f"Expected {type(self).__name__}.trainer to be a `lowtrain.Trainer` "
@@ -124,18 +132,46 @@ class Task:
         return self.trainer
 
     def decay_mask(self, params: PyTree) -> PyTree:
+        """A pytree of bools of the structure of `params` (the model's parameters):
+        True where weight decay applies; default float arrays of two or more
+        dimensions."""
         return jax.tree.map(lambda x: eqx.is_inexact_array(x) and x.ndim >= 2, params)
 
     def callbacks(self, config: Any) -> list:
+        """Extra `lowtrain.train.Callback`s for the fit under `config`, the run's
+        `Config`; default none."""
         return []
 
     def results(
         self, trainer: lowtrain.Trainer, state, data: TaskData, config: Any, out
     ) -> dict:
+        """The run's final metrics, `{"final": {name: value, ...}, ...}`, after
+        training; default the eval metrics of `state` on `data.eval`, `eval_`
+        prefixed.
+
+        **Arguments:**
+
+        - `trainer`: the `lowtrain.Trainer` that trained.
+        - `state`: the final `lowtrain.TrainState`.
+        - `data`: the `TaskData` that `data(config)` returned.
+        - `config`: the run's `Config`.
+        - `out`: the run's output directory (a `pathlib.Path`), for files to write.
+        """
         metrics = trainer.run_evaluation(state, data.eval)
         return {"final": {f"eval_{k}": v for k, v in metrics.items()}}
 
     def sample(self, trainer: lowtrain.Trainer, model: Any, config: Any, out) -> str:
+        """What `mode=sample` prints; default: the task cannot sample (a
+        `ValueError`).
+
+        **Arguments:**
+
+        - `trainer`: the task's `lowtrain.Trainer`, built as `config` says.
+        - `model`: the model with the checkpoint's arrays.
+        - `config`: the run's `Config`.
+        - `out`: the path of the checkpoint the model was read from (a
+          `pathlib.Path`).
+        """
         raise ValueError(
             f"Expected a task that can sample for `mode=sample`, got "
             f"{type(self).__name__}, which defines no `sample`. Use mode=train or "
@@ -144,9 +180,9 @@ class Task:
 
 
 def load_task(name: str) -> Task:
-    """The task `task=` names: `mnist`, `gpt`, or the dotted path of a `Task`
-    subclass importable from here (`my_pkg.tasks.Cifar`), instantiated; a
-    `ValueError` saying what is wrong otherwise.
+    """The task `name` (the value of `task=`) names: `mnist`, `gpt`, or the dotted
+    path of a `Task` subclass importable from here (`my_pkg.tasks.Cifar`),
+    instantiated; a `ValueError` saying what is wrong otherwise.
 
     ```python
     import lowtrain

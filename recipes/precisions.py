@@ -1,11 +1,10 @@
 """The precisions of `python -m lowtrain`: the factories the `precision` configs name
-(`_target_`), each returning a `lowtrain.train.Precision`, and the matmul rule of
-scalify's FP8 path. With `lowtrain.train.Rewrite` applied to every `dot_general` and
-`conv_general_dilated`, rules make the FP8 baseline (`naive_fp8_op`, which is
-`lowtrain.unit_scaling.fp8_cast_op`, the cast of `uu.simulate_fp8`) and scalify's
-FP8 path out of models written in plain JAX. `fp8_delayed` swaps the models'
-`Linear` layers for `DelayedLinear` (FP8 with delayed scaling) when the Trainer
-initialises them.
+(`_target_`), each returning a `lowtrain.train.Precision`. The FP8 baseline and
+scalify's FP8 path are the library's (`lowtrain.train.naive_fp8`, `scalify_fp8`:
+what `Trainer(precision="fp8_naive")` builds); `fp8_delayed` swaps the recipes'
+models' `Linear` layers for `DelayedLinear` (FP8 with delayed scaling) when the
+Trainer initialises them, and, as `lowtrain.train.delayed_fp8` does, every
+`eqx.nn.Linear` for a delayed `lowtrain.fp8.Fp8Linear`.
 
 Every FP8 precision takes `keep`: matmuls kept out of FP8 (scope names, or a scope,
 `@` and the right operand's shape; `lowtrain.unit_scaling.keep_scopes`), which is
@@ -30,10 +29,16 @@ from jaxtyping import Array, Float
 import lowtrain
 import lowtrain.fp8 as fp8
 from lowtrain.fp8 import E4M3, E5M2
-from lowtrain.scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
-from lowtrain.train import Amp, Chain, DelayedFp8, Precision, Rewrite, Scalify
-from lowtrain.unit_scaling import MATMULS, fp8_cast_rules, keep_scopes, parse_keep
-from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op  # noqa: F401 (the rule)
+from lowtrain.train import (
+    Amp,
+    Chain,
+    DelayedFp8,
+    Fp8Linears,
+    Precision,
+    Rewrite,
+    Scalify,
+)
+from lowtrain.unit_scaling import keep_scopes, parse_keep
 
 from ._config import AUTO_FIELDS, LossScale
 from ._layers import Linear, _add_bias
@@ -56,21 +61,6 @@ def _keep_rewrite(keep: Sequence[str]) -> Precision:
     # The kept matmuls as written (shadows of current-scaled casts named for the
     # numerics report), the others left to the policy.
     return Rewrite({}, keep_scopes(keep, amax=True))
-
-
-def scalify_fp8_op(op, lhs: Array, rhs: Array) -> Array:
-    """`op(lhs, rhs)` under the Scalify precision: both operands rescaled to unit
-    RMS, and their data cast to E4M3; in the backward pass the output cotangent is
-    rescaled to unit RMS and its data cast to E5M2
-    (`lowtrain.scalify.dynamic_rescale_l2[_grad]`, `cast_fp8`: the scales are kept,
-    so values do not change beyond FP8 rounding).
-    Unit RMS puts the data where the FP8 formats have their precision and range.
-    Outside `scalify` the rescales are the identity and the casts have scale 1."""
-    lhs = cast_fp8(dynamic_rescale_l2(lhs), E4M3, None)
-    rhs = cast_fp8(dynamic_rescale_l2(rhs), E4M3, None)
-    # Backward, the cotangent meets the rescale first, then the E5M2 cast.
-    out = cast_fp8(op(lhs, rhs), None, E5M2)
-    return dynamic_rescale_l2_grad(out)
 
 
 def amp(
@@ -117,39 +107,22 @@ def amp(
     return Chain(_keep_rewrite(keep), Amp(chosen, loss_scale=scale))
 
 
-def naive_fp8(
-    policy: str = "bf16",
-    weights_only: bool = False,
-    keep: Sequence[str] = (),
-    min_dim: int = 0,
-    rounding: str = "nearest",
-    **auto,
-) -> Precision:
-    """Every matmul through `naive_fp8` (FP8 with scale 1: on a GPU an FP8 GEMM with
-    no amax pass), then AMP under `policy`; with `weights_only`, of the
-    `dot_general`s only those with a weight operand
-    (`lowtrain.unit_scaling.fp8_cast_rules`); the matmuls `keep` selects (see the
-    module docstring), and those whose GEMM has an M, N or K below `min_dim`, stay
-    as `policy` has them (as `uu.simulate_fp8(..., keep=keep, min_dim=min_dim)`).
-    `rounding`: the casts' ("nearest", or "stochastic": `fp8_cast_rules`)."""
-    _check_auto(auto)
-    if lowtrain.get_policy(policy) == lowtrain.get_policy("fp8"):
-        raise ValueError(
-            "Expected a policy that leaves matmuls alone (e.g. bf16) for the naive "
-            f"FP8 baseline, got {policy!r} instead, which would quantize them twice. "
-            "Use `precision=fp8_naive precision.policy=bf16`."
-        )
-    rules = fp8_cast_rules(weights_only, min_dim, rounding)
-    rewrite = Rewrite(rules, keep_scopes(keep, rules))
-    return Chain(rewrite, amp(policy))
+def naive_fp8(policy: str = "bf16", **fields) -> Precision:
+    """`lowtrain.train.naive_fp8(policy, **fields)` (its other fields:
+    `weights_only`, `keep`, `min_dim`, `rounding`), taking the autopilot's fields
+    and ignoring them."""
+    _check_auto({k: v for k, v in fields.items() if k not in _NAIVE_FIELDS})
+    ours = {k: v for k, v in fields.items() if k in _NAIVE_FIELDS}
+    return lowtrain.train.naive_fp8(policy, **ours)
+
+
+_NAIVE_FIELDS = ("weights_only", "keep", "min_dim", "rounding")
 
 
 def scalify(policy: str = "p=f32,c=f16", fp8: bool = False) -> Precision:
     """`lowtrain.train.Scalify(policy)`; with `fp8`, every matmul through
-    `scalify_fp8_op`."""
-    if not fp8:
-        return Scalify(policy)
-    return Chain(Scalify(policy), Rewrite(dict.fromkeys(MATMULS, scalify_fp8_op)))
+    `lowtrain.train.scalify_fp8_op` (`lowtrain.train.scalify_fp8`)."""
+    return lowtrain.train.scalify_fp8(policy) if fp8 else Scalify(policy)
 
 
 class DelayedLinear(eqx.Module):
@@ -215,37 +188,41 @@ def _selects(keep: Sequence[str], kernel_shape) -> bool:
     return False
 
 
-class DelayedLinears(Precision):
-    """Every `Linear` of the model as a `DelayedLinear` (in `cast_params`, so in
-    `Trainer.init`: the state, its checkpoints and `export` hold the swapped model).
-    Chain it with `Amp("fp8")`, which keeps the other matmuls (the GPT's tied head, the
-    einsum attention, the CNN's convolutions) in current-scaled FP8, and `DelayedFp8`,
+class DelayedLinears(Fp8Linears):
+    """Every `Linear` of the model as a `DelayedLinear`, and as
+    `lowtrain.train.Fp8Linears` does, every `eqx.nn.Linear` as a delayed
+    `lowtrain.fp8.Fp8Linear` (in `cast_params`, so in `Trainer.init`: the state,
+    its checkpoints and `export` hold the swapped model). Chain it with
+    `Amp("fp8")`, which keeps the other matmuls (the GPT's tied head, the einsum
+    attention, the CNN's convolutions) in current-scaled FP8, and `DelayedFp8`,
     which carries the scales' state from step to step (`delayed_fp8`)."""
 
-    history: int = eqx.field(static=True)
-    margin: int = eqx.field(static=True)
-    min_dim: int = eqx.field(static=True, default=0)  # smaller Linears stay as they are
     # `precision.keep`: the DelayedLinears it selects run wide (`wrap_model`; the
     # model's structure, so its state and checkpoints, do not depend on it).
     keep: tuple[str, ...] = eqx.field(static=True, default=())
 
     def cast_params(self, model):
-        is_linear = lambda m: isinstance(m, Linear)
+        is_linear = lambda m: isinstance(m, Linear | eqx.nn.Linear)
         if not any(map(is_linear, jax.tree.leaves(model, is_leaf=is_linear))):
             raise ValueError(
-                "Expected a model with the recipes' `Linear` layers for "
-                f"`precision=fp8_delayed`, got a {type(model).__name__} without "
-                "any. The unit-scaled models (`model=gpt_unit`, `model=mlp_unit`) "
-                "have their own FP8 recipes (`recipe=gpt_unit_fp8`); use "
-                "`precision=fp8` for current scaling."
+                "Expected a model with the recipes' `Linear` layers or "
+                "`eqx.nn.Linear` layers for `precision=fp8_delayed`, got a "
+                f"{type(model).__name__} without any. The unit-scaled models "
+                "(`model=gpt_unit`, `model=mlp_unit`) have their own FP8 recipes "
+                "(`recipe=gpt_unit_fp8`); use `precision=fp8` for current scaling."
             )
         big = lambda m: min(m.kernel.shape[-2:]) >= self.min_dim
+        ours = lambda m: isinstance(m, Linear)
         swap = lambda m: (
             DelayedLinear(m, history=self.history, margin=self.margin)
-            if is_linear(m) and big(m)
+            if ours(m) and big(m)
             else m
         )
-        return jax.tree.map(swap, model, is_leaf=is_linear)
+        model = jax.tree.map(swap, model, is_leaf=ours)
+        has_eqx = lambda m: isinstance(m, eqx.nn.Linear)
+        if any(map(has_eqx, jax.tree.leaves(model, is_leaf=has_eqx))):
+            model = super().cast_params(model)
+        return model
 
     def wrap_model(self, model):
         if not self.keep:

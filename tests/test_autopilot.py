@@ -176,7 +176,7 @@ class Own(lowtrain.Trainer):
 
 @pytest.mark.slow  # the `Autopilot` docstring's example runs a user's Trainer too
 def test_the_autopilot_on_a_users_trainer_with_loggers_and_best_checkpoints(tmp_path):
-    from lowtrain.recipes.precisions import naive_fp8
+    from lowtrain.train import naive_fp8
 
     model = Two(jnp.ones((8, 4)), jnp.ones((8, 4)) / 8)
     trainer = Own(model, optax.sgd(0.01), precision=naive_fp8())
@@ -185,7 +185,7 @@ def test_the_autopilot_on_a_users_trainer_with_loggers_and_best_checkpoints(tmp_
     pilot = lowtrain.train.Autopilot(
         lambda keep: naive_fp8(keep=keep), every=2, batches=1
     )
-    best = lowtrain.train.BestCheckpoint("eval_mae", "min", keep=1)
+    best = lowtrain.train.BestCheckpoint("eval_mae", "min", keep_checkpoints=1)
     csv = lowtrain.train.CSVLogger(tmp_path / "metrics.csv")
     state = trainer.fit(
         trainer.init(key=jax.random.key(0)),

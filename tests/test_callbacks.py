@@ -250,8 +250,10 @@ def test_early_stopping_modes_patience_and_delta():
         EarlyStopping(mode="lowest")
     with pytest.raises(ValueError, match=r"`EarlyStopping\(patience=\)` >= 1, got 0"):
         EarlyStopping(patience=0)
-    with pytest.raises(ValueError, match=r"`BestCheckpoint\(keep=\)` >= 1, got True"):
-        BestCheckpoint(keep=True)
+    with pytest.raises(
+        ValueError, match=r"`BestCheckpoint\(keep_checkpoints=\)` >= 1, got True"
+    ):
+        BestCheckpoint(keep_checkpoints=True)
     with pytest.raises(KeyError, match="eval_los"):
         run([1], monitor="eval_los")
 
@@ -287,7 +289,7 @@ def test_best_checkpoint_keeps_the_best_and_finds_them_after_a_restart(tmp_path)
     ckpt = tmp_path / "ckpt"
     trainer = Scripted(eqx.nn.Linear(3, 1, key=jax.random.key(0)), optax.sgd(0.05))
     trainer.run_evaluation = evaluation
-    best = BestCheckpoint(keep=2)
+    best = BestCheckpoint(keep_checkpoints=2)
     data = lowtrain.ArrayBatches(_data(), 8)
     trainer.fit(
         trainer.init(key=jax.random.key(1)),
@@ -306,7 +308,7 @@ def test_best_checkpoint_keeps_the_best_and_finds_them_after_a_restart(tmp_path)
     ]
     assert best_checkpoint(ckpt) == ckpt.resolve() / "best" / "ckpt_00000008"
     # Resumed: it reads the kept values back; 2.0 at step 10 replaces 3.0.
-    again = BestCheckpoint(keep=2)
+    again = BestCheckpoint(keep_checkpoints=2)
     trainer.fit(
         trainer.init(key=jax.random.key(1)),
         data,

@@ -221,7 +221,7 @@ def test_async_save_returns_before_the_write(tmp_path, monkeypatch):
     monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", held)
     trainer = Regression(make_model(), SGD(1e-2))
     state = trainer.init(key=jax.random.key(1))
-    saver = Checkpoints(tmp_path, keep=2, asynchronous=True)
+    saver = Checkpoints(tmp_path, keep_checkpoints=2, asynchronous=True)
     saver.save(1, state)  # returns with the write still pending
     assert lowtrain.latest_checkpoint(tmp_path) is None
     # The state's buffers are free to be donated: the next step may run.

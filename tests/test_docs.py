@@ -5,6 +5,7 @@ README stays a front page; the pages say what is true now (no commit hashes, dat
 or issue numbers: history goes to CHANGELOG.md); the site's nav lists every page."""
 
 import importlib
+import inspect
 import os
 import pathlib
 import re
@@ -100,6 +101,64 @@ def test_public_docstring_example_runs(name):
     for block in blocks:
         with jax.numpy_dtype_promotion("standard"):
             exec(compile(block, f"<{name} docstring>", "exec"), {})
+
+
+def _parameters(fn) -> list[str]:
+    # The named parameters a caller passes (not self/cls, *args, **kwargs or a
+    # private `_name`).
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        p.name
+        for p in signature.parameters.values()
+        if p.name not in ("self", "cls")
+        and p.kind not in variadic
+        and not p.name.startswith("_")
+    ]
+
+
+def _undocumented(params, *docs) -> list[str]:
+    text = "\n".join(d or "" for d in docs)
+    return [p for p in params if not re.search(rf"`{re.escape(p)}\b", text)]
+
+
+def _method_docs(cls, name) -> list[str]:
+    # A method's docstring, and those of the methods it overrides (it inherits
+    # their description of the arguments).
+    return [vars(c)[name].__doc__ for c in cls.__mro__ if name in vars(c)]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_arguments_documented(name):
+    """Each argument of a public function, class or public method is described in
+    its docstring (a `` `name` `` mention; the `**Arguments:**` list where there
+    are several), or, for a method, in the docstring of the method it overrides."""
+    module, _, attr = name.rpartition(".")
+    obj = getattr({m.__name__: m for m in MODULES}[module], attr)
+    missing = {}
+    if inspect.isclass(obj):
+        init = vars(obj).get("__init__")
+        init_doc = getattr(init, "__doc__", "")
+        gaps = _undocumented(_parameters(obj), obj.__doc__, init_doc)
+        if gaps:
+            missing[name] = gaps
+        for method, fn in vars(obj).items():
+            if method.startswith("_") or not inspect.isfunction(fn):
+                continue
+            gaps = _undocumented(_parameters(fn), *_method_docs(obj, method))
+            if gaps:
+                missing[f"{name}.{method}"] = gaps
+    else:
+        gaps = _undocumented(_parameters(obj), obj.__doc__)
+        if gaps:
+            missing[name] = gaps
+    assert not missing, (
+        f"Expected each argument described in the docstring (`name`: what it is), "
+        f"got none for {missing}."
+    )
 
 
 def _exec_page(path: pathlib.Path):

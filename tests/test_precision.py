@@ -125,17 +125,48 @@ def test_scalify_exports_plain_values():
     )
 
 
-@pytest.mark.parametrize(
-    "name", ["fp8_delayed", "fp8_naive", "scalify_fp16", "scalify_fp8"]
-)
-def test_a_recipe_precision_name_in_python_names_its_factory(name):
-    # The CLI's `precision=fp8_delayed` is a factory of the recipes, not a policy:
-    # in Python the name says which factory builds it, and that factory does.
-    from lowtrain.recipes import precisions
-    from lowtrain.train._precisions import RECIPE_PRECISIONS, resolve
+@pytest.mark.parametrize("name", ["fp8_naive", "scalify_fp16", "scalify_fp8"])
+def test_a_precision_name_builds_in_python_what_the_cli_builds(name):
+    # `Trainer(precision=name)` and `python -m lowtrain precision=name`: the same
+    # precision, field for field.
+    from lowtrain.recipes import _common, _run
 
-    with pytest.raises(ValueError, match=r"lowtrain\.recipes\.precisions\."):
-        resolve(name)
-    call = RECIPE_PRECISIONS[name]
-    built = eval(f"precisions.{call}", {"precisions": precisions})
-    assert isinstance(resolve(built), lowtrain.train.Precision)
+    from .test_recipes import make_config
+
+    config = _run.to_config(make_config("recipe=mnist", f"precision={name}"))
+    cli = _common.trainer_options(config)["precision"]
+    python = Regression(make_model(), SGD(0.1), precision=name).precision
+    assert eqx.tree_equal(cli, python)
+
+
+def test_fp8_delayed_by_name_trains_an_equinox_model_as_the_cli_precision(getkey):
+    # The recipes' `fp8_delayed` swaps their own `Linear` and, as the library's
+    # does, `eqx.nn.Linear`: on an Equinox MLP the two train bit for bit alike.
+    from lowtrain.recipes import precisions
+
+    class Fit(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return jnp.mean((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2)
+
+    mlp = eqx.nn.MLP(8, 2, 32, 2, key=getkey())
+    x = jax.random.normal(getkey(), (16, 8))
+    data = {"x": x, "y": x[:, :2] * 2.0}
+    states = []
+    for precision in ("fp8_delayed", precisions.delayed_fp8()):
+        trainer = Fit(mlp, optax.sgd(0.05), precision=precision)
+        state = trainer.init(key=jax.random.key(0))
+        layers = state.model.layers
+        assert all(isinstance(layer, lowtrain.fp8.Fp8Linear) for layer in layers)
+        assert all(layer.x_scale is not None for layer in layers)  # delayed
+        states.append(trainer.fit(state, lambda s: data, steps=4, progress=False))
+    assert eqx.tree_equal(states[0], states[1])
+    history = states[0].model.layers[0].x_scale.amax_history
+    # The last step's input, as the policy gives it (bfloat16).
+    assert float(history[0]) == pytest.approx(float(jnp.max(jnp.abs(x))), rel=1e-2)
+    assert float(states[0].loss_scale.value) == 1.0  # E4M3/E5M2 need none
+
+
+def test_fp8_delayed_by_name_says_what_a_model_without_linears_needs(getkey):
+    conv = eqx.nn.Conv2d(1, 2, 3, key=getkey())
+    with pytest.raises(ValueError, match=r"eqx\.nn\.Linear.*delayed_fp8\(\)"):
+        lowtrain.train.delayed_fp8().parts[0].cast_params(conv)

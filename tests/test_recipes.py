@@ -32,7 +32,7 @@ from lowtrain.recipes import (
     precisions,
 )
 from lowtrain.recipes._prefetch import Prefetch
-from lowtrain.recipes.precisions import naive_fp8_op
+from lowtrain.unit_scaling import fp8_cast_op as naive_fp8_op
 
 from .helpers import fake_mnist, iter_eqns
 

@@ -13,7 +13,8 @@ from jax import lax
 import lowtrain
 import lowtrain.fp8 as fp8
 import lowtrain.scalify as sc
-from lowtrain.recipes.precisions import MATMULS, scalify_fp8_op
+from lowtrain.train import scalify_fp8_op
+from lowtrain.unit_scaling import MATMULS
 
 from .helpers import (
     gpt_batches,

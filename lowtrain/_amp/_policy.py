@@ -202,7 +202,8 @@ class Policy(eqx.Module):
         return self._replace(rules={**dict(self.rules), **rules})
 
     def with_scopes(self, scopes: Mapping[str, object]) -> Policy:
-        """A copy with these scope rules added: `with_scopes({"head": "float32"})`."""
+        """A copy with the scope rules `scopes` (scope name or glob -> action) added:
+        `with_scopes({"head": "float32"})`."""
         return self._replace(scopes={**dict(self.scopes), **scopes})
 
     def with_residuals(self, residuals: str) -> Policy:
@@ -259,7 +260,8 @@ _KEYS = {"params": 0, "p": 0, "compute": 1, "c": 1, "output": 2, "o": 2}
 
 
 def get_policy(name: str) -> Policy:
-    """A `Policy` from a name: "fp32", "bf16", "fp16", "fp8", or a jmp-style string.
+    """A `Policy` from `name`: "fp32", "bf16", "fp16", "fp8" (case-insensitive;
+    "float32", "full", "bfloat16" and "float16" are aliases), or a jmp-style string.
 
     The presets keep parameters and outputs in float32 and compute in the named dtype;
     "fp8" runs matmuls and convolutions through `lowtrain.fp8` (E4M3 forward, E5M2

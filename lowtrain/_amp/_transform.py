@@ -419,10 +419,11 @@ def amp(fn: Callable, policy: Policy | str) -> Callable:
 def amp_stop(fn: Callable | None = None) -> Any:
     """Keep a region in the precision it was written in, inside `amp`.
 
-    Use as a decorator (`@amp_stop`) or a context manager (`with amp_stop():`). Every
-    primitive inside runs on inputs cast back to the dtypes the program was traced with,
-    so a float32 region stays float32 even under a float16 policy. Outside `amp` it
-    does nothing but open a `jax.named_scope`.
+    Use as a decorator (`@amp_stop`: `fn` is the function it wraps) or a context
+    manager (`with amp_stop():`, `fn` left `None`). Every primitive inside runs on
+    inputs cast back to the dtypes the program was traced with, so a float32 region
+    stays float32 even under a float16 policy. Outside `amp` it does nothing but open
+    a `jax.named_scope`.
 
     ```python
     import jax.numpy as jnp

@@ -214,6 +214,18 @@ def fp8_dot_general(
     (unbiased, its draws a hash of each value and its index; on a GPU the products
     are FP8 GEMMs of the stochastically rounded operands all the same).
 
+    **Arguments:**
+
+    - `lhs`, `rhs`: the operands, float arrays.
+    - `dimension_numbers`: `((lhs_contracting, rhs_contracting), (lhs_batch,
+      rhs_batch))`, as for `lax.dot_general`.
+    - `out_dtype`: the result's dtype; default (None) `lhs.dtype`.
+    - `margin`: with current scaling, the headroom exponent of every scale
+      (`2**margin`); default 0.
+    - `scale`: None (the default: current scaling), or a positive finite number, or
+      three of them `(lhs, rhs, cotangent)`: static scales.
+    - `rounding`: "nearest" (the default) or "stochastic".
+
     ```python
     import jax
     import jax.numpy as jnp
@@ -246,9 +258,10 @@ def fp8_dot_general(
 
 
 def gemm_dims(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int]:
-    """The GEMM a `dot_general` of these shapes is, batch dimensions aside: `(M, N,
-    K)`, the sizes of `lhs`'s free dimensions, `rhs`'s free dimensions and the
-    contracting ones (each the product over its dimensions). A shape filter such as
+    """The GEMM a `dot_general` of operands of shapes `lhs_shape` and `rhs_shape`
+    with `dimension_numbers` (as for `lax.dot_general`) is, batch dimensions aside:
+    `(M, N, K)`, the sizes of `lhs`'s free dimensions, `rhs`'s free dimensions and
+    the contracting ones (each the product over its dimensions). A shape filter such as
     `lowtrain.Policy(fp8_min_dim=...)` compares the smallest with its threshold: an
     FP8 GEMM pays for its casts only when all three are large.
 
@@ -308,9 +321,17 @@ def _static(lhs, rhs, dimension_numbers, scale, out_dtype, rounding) -> Array:
 def fp8_conv_general_dilated(
     lhs: Array, rhs: Array, *, out_dtype=None, margin=0, **params
 ):
-    """`lax.conv_general_dilated` in FP8 (same scheme as `fp8_dot_general`).
+    """`lax.conv_general_dilated` in FP8 (same scheme as `fp8_dot_general`, with
+    current scaling).
 
-    `params` are `conv_general_dilated`'s keyword arguments.
+    **Arguments:**
+
+    - `lhs`: the input, a float array.
+    - `rhs`: the kernel, a float array.
+    - `out_dtype`: the result's dtype; default (None) `lhs.dtype`.
+    - `margin`: the headroom exponent of every scale (`2**margin`); default 0.
+    - `**params`: `conv_general_dilated`'s other keyword arguments
+      (`window_strides`, `padding`, ...), passed on.
 
     ```python
     import jax
@@ -354,6 +375,14 @@ def fp8_dot_general_delayed(
     `jax.vmap` inside `amp`, JAX has batched that jit before `amp` sees it, and it
     runs as written). Under `jax.vmap`, a state shared by the batch records the amax
     of the whole batch, as a call on the batch does; a batched state, one per member.
+
+    **Arguments:**
+
+    - `lhs`, `rhs`: the operands, float arrays.
+    - `dimension_numbers`: as for `lax.dot_general`.
+    - `lhs_scale`, `rhs_scale`: the operands' `DelayedScale`s (E4M3).
+    - `g_scale`: the output cotangent's `DelayedScale` (E5M2).
+    - `out_dtype`: the result's dtype; default (None) `lhs.dtype`.
 
     ```python
     import jax
@@ -603,6 +632,15 @@ def keep_op(op, lhs: Array, rhs: Array, *, amax: bool = False) -> Array:
     or with `amax` each tensor's own amax, as current scaling), so a numerics
     report still judges the matmul and a plan can move it back into FP8. Values and
     gradients are `op`'s: the shadows are multiplications by 1, which XLA removes.
+
+    **Arguments:**
+
+    - `op`: the operation as `lowtrain.rewrite` passes it (`op.primitive` and
+      `op.params` name a `dot_general` or `conv_general_dilated`), or a plain
+      function of `(lhs, rhs)`.
+    - `lhs`, `rhs`: its operands.
+    - `amax`: whether the shadow casts use each tensor's own amax (True) rather than
+      scale 1 (False, the default).
 
     ```python
     import jax

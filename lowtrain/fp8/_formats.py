@@ -12,7 +12,8 @@ E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344.0
 
 
 def fp8_max(dtype) -> float:
-    """The largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
+    """The largest finite value of the FP8 dtype `dtype` (448 for E4M3, 57344 for
+    E5M2); any other dtype raises a `ValueError`.
 
     ```python
     import lowtrain.fp8 as fp8

@@ -76,6 +76,20 @@ class Fp8Linear(eqx.Module):
         dtype=None,
         key: PRNGKeyArray,
     ):
+        """**Arguments:**
+
+        - `in_features`: the size of the input's last axis.
+        - `out_features`: the size of the output's last axis.
+        - `use_bias`: whether to add a bias; default True.
+        - `delayed`: delayed scaling (True) or current scaling (False, the default).
+        - `history`: with `delayed=True`, the number of past amaxes each
+          `DelayedScale` keeps; default 16.
+        - `margin`: the headroom exponent of every scale (`2**margin`); default 0.
+        - `dtype`: the dtype of the weight and bias; default (None) float32.
+        - `key`: a PRNG key for the initial weight (shape
+          `(out_features, in_features)`) and bias, drawn uniformly from
+          `[-1/sqrt(in_features), 1/sqrt(in_features))`.
+        """
         dtype = dtype or jnp.float32
         wkey, bkey = jax.random.split(key)
         lim = 1 / math.sqrt(in_features)
@@ -95,6 +109,49 @@ class Fp8Linear(eqx.Module):
             in_features,
             out_features,
             margin,
+        )
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: eqx.nn.Linear,
+        *,
+        delayed: bool = False,
+        history: int = 16,
+        margin: int = 0,
+    ) -> Fp8Linear:
+        """The `Fp8Linear` of an `eqx.nn.Linear`: its `weight` and `bias` (the same
+        arrays, not copies), with FP8 scaling as `__init__` sets it.
+
+        **Arguments:**
+
+        - `linear`: an `eqx.nn.Linear` with integer `in_features` and
+          `out_features` (not "scalar").
+        - `delayed`, `history`, `margin`: as `__init__` takes them.
+        """
+        if not isinstance(linear, eqx.nn.Linear) or "scalar" in (
+            linear.in_features,
+            linear.out_features,
+        ):
+            raise TypeError(
+                "Expected an `eqx.nn.Linear` with integer `in_features` and "
+                f"`out_features`, got {linear!r} instead."
+            )
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.use_bias,
+            delayed=delayed,
+            history=history,
+            margin=margin,
+            dtype=linear.weight.dtype,
+            key=jax.random.key(0),  # replaced: the weights are `linear`'s
+        )
+        return eqx.tree_at(
+            lambda m: (m.weight, m.bias),
+            layer,
+            (linear.weight, linear.bias),
+            is_leaf=lambda x: x is None,
         )
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
@@ -157,8 +214,8 @@ def advanced_scales(model: PyTree, records: PyTree) -> PyTree:
 
 
 def pop_scales(grads: PyTree, model: PyTree) -> tuple[PyTree, PyTree]:
-    """Split the gradients of `model` into (the gradients with zeros for its
-    delayed-scaling state, its new delayed-scaling state).
+    """Split `grads`, the gradients of `model`, into (the gradients with zeros for
+    its delayed-scaling state, its new delayed-scaling state).
 
     The "gradient" of a `DelayedScale` is what the step's calls recorded (see
     `fp8_dot_general_delayed`): the sum of their amaxes and their number. Each new

@@ -50,6 +50,15 @@ def quantize(
     (`lowtrain.fp8._sites`), where `lowtrain.numerics.track(fn, casts=True)` reads
     the values as the cast sees them.
 
+    **Arguments:**
+
+    - `x`: the array to cast (converted to float32 first).
+    - `dtype`: the FP8 dtype, `lowtrain.fp8.E4M3` or `E5M2`.
+    - `scale`: the scale `x` is divided by, a scalar or an array that broadcasts
+      against `x` (cast to float32); default 1.
+    - `rounding`: "nearest" (the default) or "stochastic", as above.
+    - `key`: a PRNG key for the stochastic draws; None (the default): a hash.
+
     ```python
     import jax
     import jax.numpy as jnp
@@ -134,7 +143,8 @@ def _stochastic(v: Array, dtype, key, salt: int) -> Array:
 
 
 def dequantize(data: ArrayLike, scale: ArrayLike = 1.0, dtype=F32) -> Array:
-    """The value `data * scale`, in `dtype` (float32 by default).
+    """The value `data * scale`, in `dtype` (float32 by default): `data` and
+    `scale` (default 1) are each cast to `dtype` and multiplied.
 
     ```python
     import jax.numpy as jnp
@@ -167,6 +177,16 @@ def compute_scale(
     E4M3) gets that scale instead of 0 (which would turn every value into inf or
     NaN), and its values still fit the format.
 
+    **Arguments:**
+
+    - `amax`: the absolute maximum of the tensor, a scalar (cast to float32).
+    - `dtype`: the FP8 dtype, `lowtrain.fp8.E4M3` or `E5M2`.
+    - `margin`: the headroom exponent, an int; default 0.
+    - `pow2`: whether to round the scale up to a power of two; default False.
+    - `last`: the scale returned for a zero or non-finite `amax`; default 1.
+
+    Returns a float32 scalar.
+
     ```python
     import jax.numpy as jnp
     import lowtrain.fp8 as fp8
@@ -187,7 +207,7 @@ def compute_scale(
 
 
 def amax(x: ArrayLike) -> Float[Array, ""]:
-    """`max(|x|)` in float32.
+    """`max(|x|)` in float32, a scalar, over all elements of the array `x`.
 
     ```python
     import jax.numpy as jnp
@@ -202,7 +222,15 @@ def amax(x: ArrayLike) -> Float[Array, ""]:
 def current_scale(
     x: ArrayLike, dtype, *, margin: int = 0, pow2: bool = False
 ) -> Float[Array, ""]:
-    """Current scaling: the scale of `x` from its own amax (see `compute_scale`).
+    """Current scaling: the scale of `x` from its own amax,
+    `compute_scale(amax(x), dtype, margin=margin, pow2=pow2)`.
+
+    **Arguments:**
+
+    - `x`: the array to be quantized.
+    - `dtype`: the FP8 dtype it is to be cast to, `lowtrain.fp8.E4M3` or `E5M2`.
+    - `margin`: the headroom exponent (`2**margin`); default 0.
+    - `pow2`: whether to round the scale up to a power of two; default False.
 
     ```python
     import jax.numpy as jnp
@@ -248,6 +276,16 @@ class DelayedScale(eqx.Module):
     def __init__(
         self, dtype, *, history: int = 16, margin: int = 0, pow2: bool = False
     ):
+        """**Arguments:**
+
+        - `dtype`: the FP8 dtype the tensor is cast to, `lowtrain.fp8.E4M3` or
+          `E5M2`.
+        - `history`: `H`, the number of past amaxes kept, an int `>= 1`; default 16.
+          They start at 0 and the scale at 1.
+        - `margin`: the headroom exponent of `compute_scale`; default 0.
+        - `pow2`: whether `compute_scale` rounds the scale up to a power of two;
+          default False.
+        """
         fp8_max(dtype)  # validates
         if history < 1:
             raise ValueError(f"Expected `history` >= 1, got {history} instead.")

@@ -35,15 +35,15 @@ def _advice(row: dict) -> str:
 
 
 def worst_casts(report: Report, n: int = 5) -> list[dict]:
-    """The `n` casts of a casts report (`track(fn, casts=True)`) that lose the most
-    of their nonzero values in the format they are cast to (underflow + overflow,
-    after the cast's scale), worst first, each a dict: `name`, `pass`, `role` (of
-    an FP8 cast in its matmul, else None), `layer`, `dtype` (the format), `shape`,
-    `rms`, `absmax`, `underflow`, `overflow` (fractions in that format) and
-    `advice` (what fixes it: keep the matmul wide with `precision.keep=[...]`, a
-    scale, or a wider format). Only low-format casts are ranked, and only those
-    that lose something (fewer than `n` when fewer do); a report of every tensor
-    has none.
+    """The `n` casts (default 5) of `report`, a casts report
+    (`track(fn, casts=True)`), that lose the most of their nonzero values in the
+    format they are cast to (underflow + overflow, after the cast's scale), worst
+    first, each a dict: `name`, `pass`, `role` (of an FP8 cast in its matmul, else
+    None), `layer`, `dtype` (the format), `shape`, `rms`, `absmax`, `underflow`,
+    `overflow` (fractions in that format) and `advice` (what fixes it: keep the
+    matmul wide with `precision.keep=[...]`, a scale, or a wider format). Only
+    low-format casts are ranked, and only those that lose something (fewer than `n`
+    when fewer do); a report of every tensor has none.
 
     ```python
     import jax

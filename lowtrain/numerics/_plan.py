@@ -329,8 +329,9 @@ def plan(
     previous: Plan | None = None,
     hysteresis: float = 0.5,
 ) -> Plan:
-    """Which matmuls run in FP8, from a casts report (`track(fn, casts=True)`), or
-    several (the worst of each cast over them: calibration batches).
+    """Which matmuls run in FP8, from `report`: a casts report
+    (`track(fn, casts=True)`), or several (the worst of each cast over them:
+    calibration batches).
 
     Each matmul's three casts (operands `lhs`, `rhs` to E4M3 forward, output
     cotangent `grad` to E5M2 backward), judged as the precision performs them
@@ -430,9 +431,16 @@ def plan(
 
 def break_even(gemm_json: str | pathlib.Path | dict, kind: str = "fp8 static") -> int:
     """The smallest width from which `kind`'s FP8 GEMM is faster than bf16 at every
-    larger width, from `scripts/bench.py gemm`'s `gemm.json` (a path or its data):
-    `plan(min_dim=...)` for that device; 0 if FP8 never pays there (then nothing is
-    kept wide for its size: no speed to gain, nothing to lose either).
+    larger width: `plan(min_dim=...)` for that device; 0 if FP8 never pays there
+    (then nothing is kept wide for its size: no speed to gain, nothing to lose
+    either).
+
+    **Arguments:**
+
+    - `gemm_json`: `scripts/bench.py gemm`'s `gemm.json`, as a path or its loaded
+      data (a dict whose `"rows"` hold a `"width"`, `"bf16_s"` and `"<kind>_s"`).
+    - `kind`: the FP8 timing compared with bf16's, "fp8 static" (the default) or
+      "fp8 current".
 
     ```python
     import lowtrain.numerics

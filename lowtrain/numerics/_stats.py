@@ -118,10 +118,10 @@ def merge(a, b):
     return jnp.stack([top, sumsq], -1), ac + bc
 
 
-def merge_stacked(moments, counts, keep: int = 0):
+def merge_stacked(moments, counts, apart: int = 0):
     """The record of records stacked along their leading axes (a scan's), keeping
-    the last `keep` axes before the record's own (a layer axis, say) apart."""
-    lead = moments.shape[moments.ndim - 1 - keep : -1]
+    the last `apart` axes before the record's own (a layer axis, say) apart."""
+    lead = moments.shape[moments.ndim - 1 - apart : -1]
     moments = moments.reshape(-1, *lead, 2)
     top = jnp.max(moments[..., 0], axis=0, initial=0.0)
     safe = jnp.where(top > 0, top, 1.0)

@@ -210,7 +210,7 @@ class _TrackInterpreter(Interpreter):
             if not self.casts:  # one row over all iterations
                 self.record(meta, merge_stacked(moments, counts))
             elif meta.layers:  # an inner scan's layers: merged over this one's
-                self.record(meta, merge_stacked(moments, counts, keep=1))
+                self.record(meta, merge_stacked(moments, counts, apart=1))
             else:  # a row per iteration: the scan is over layers
                 meta = meta._replace(layers=int(p["length"]))
                 self.record(meta, (moments, counts))

@@ -152,9 +152,10 @@ def dynamic_rescale_max(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
 
 
 def dynamic_rescale_l1_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
-    """The identity forward; in the backward pass, inside `scalify`, the cotangent
-    is rescaled as `dynamic_rescale_l1` rescales a value (its mean absolute value
-    into the scale). Outside `scalify` it is the identity both ways.
+    """`x` (an array or `ScaledArray`) unchanged forward; in the backward pass,
+    inside `scalify`, its cotangent is rescaled as `dynamic_rescale_l1` rescales a
+    value (its mean absolute value into the scale). Outside `scalify` it is the
+    identity both ways.
 
     ```python
     import jax
@@ -172,10 +173,11 @@ def dynamic_rescale_l1_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
 
 
 def dynamic_rescale_l2_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
-    """The identity forward; in the backward pass, inside `scalify`, the cotangent
-    is rescaled as `dynamic_rescale_l2` rescales a value (its root mean square into
-    the scale), as the recipes' Scalify FP8 matmuls do before the E5M2 cast of the
-    output cotangent. Outside `scalify` it is the identity both ways.
+    """`x` (an array or `ScaledArray`) unchanged forward; in the backward pass,
+    inside `scalify`, its cotangent is rescaled as `dynamic_rescale_l2` rescales a
+    value (its root mean square into the scale), as the recipes' Scalify FP8
+    matmuls do before the E5M2 cast of the output cotangent. Outside `scalify` it is
+    the identity both ways.
 
     ```python
     import jax
@@ -193,9 +195,10 @@ def dynamic_rescale_l2_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
 
 
 def dynamic_rescale_max_grad(x: ArrayLike | ScaledArray) -> Array | ScaledArray:
-    """The identity forward; in the backward pass, inside `scalify`, the cotangent
-    is rescaled as `dynamic_rescale_max` rescales a value (its largest absolute
-    value into the scale). Outside `scalify` it is the identity both ways.
+    """`x` (an array or `ScaledArray`) unchanged forward; in the backward pass,
+    inside `scalify`, its cotangent is rescaled as `dynamic_rescale_max` rescales a
+    value (its largest absolute value into the scale). Outside `scalify` it is the
+    identity both ways.
 
     ```python
     import jax
@@ -228,11 +231,11 @@ def stop_scaling(x: ArrayLike | ScaledArray) -> Array:
 
 
 def cast_fp8(x, dtype=E4M3, grad_dtype=E5M2):
-    """Cast `x`'s data to FP8 (saturating, `lowtrain.fp8.quantize`), keeping its scale;
-    in the backward pass its cotangent's data is cast to `grad_dtype`. Either may be
-    None (left alone). E4M3 forward and E5M2 backward, as the FP8 formats paper
-    recommends. The data keeps its dtype, holding FP8 values (XLA turns the cast pairs
-    into FP8 GEMM operands on Hopper).
+    """Cast `x`'s data to `dtype` (an FP8 dtype; saturating, `lowtrain.fp8.quantize`),
+    keeping its scale; in the backward pass its cotangent's data is cast to
+    `grad_dtype`. Either may be None (left alone). E4M3 forward and E5M2 backward
+    (the defaults), as the FP8 formats paper recommends. The data keeps its dtype,
+    holding FP8 values (XLA turns the cast pairs into FP8 GEMM operands on Hopper).
 
     ```python
     import jax.numpy as jnp
@@ -255,6 +258,14 @@ def fp8_scaled_dot_general(lhs, rhs, dimension_numbers, *, preferred_element_typ
     arrays, with its own scales.)
     Inside `scalify(jax.grad(...))` every forward and backward matmul through it then
     multiplies FP8 data.
+
+    **Arguments:**
+
+    - `lhs`, `rhs`: the operands, `ScaledArray`s inside `scalify` (plain arrays
+      outside it, whose values are rounded to FP8).
+    - `dimension_numbers`: as for `lax.dot_general`.
+    - `preferred_element_type`: the result's dtype, passed to `lax.dot_general`;
+      default None (as `lax.dot_general` chooses).
 
     ```python
     import jax

@@ -119,7 +119,9 @@ def as_scaled_array(
 
 
 def asarray(tree: PyTree, dtype=None) -> PyTree:
-    """Every `ScaledArray` of `tree` as the plain array of its values.
+    """Every `ScaledArray` of `tree` as the plain array of its values (`to_array`:
+    computed in float32, cast to `dtype`, default None: the dtype of its data); other
+    leaves unchanged.
 
     ```python
     import jax.numpy as jnp

@@ -32,6 +32,11 @@ from ._loggers import TensorBoardLogger as TensorBoardLogger
 from ._loggers import WandbLogger as WandbLogger
 from ._loggers import make_logger as make_logger
 from ._loop import FitRun as FitRun
+from ._named import Fp8Linears as Fp8Linears
+from ._named import delayed_fp8 as delayed_fp8
+from ._named import naive_fp8 as naive_fp8
+from ._named import scalify_fp8 as scalify_fp8
+from ._named import scalify_fp8_op as scalify_fp8_op
 from ._numerics import NumericsRecorder as NumericsRecorder
 from ._placement import array_spec as array_spec
 from ._precisions import Amp as Amp

@@ -68,7 +68,7 @@ class Autopilot(Callback):
     import jax.numpy as jnp
     import optax
     import lowtrain
-    from lowtrain.recipes.precisions import naive_fp8
+    from lowtrain.train import naive_fp8
 
     class Two(eqx.Module):
         a: jax.Array

@@ -111,19 +111,23 @@ class Callback:
         return step % self.every == 0
 
     def on_fit_start(self, trainer, state: TrainState) -> None:
-        pass
+        """Once, before the first step (after a resume): `trainer` is the `Trainer`
+        whose `fit` runs, `state` the `TrainState` it starts from."""
 
     def on_step_end(self, trainer, info: StepInfo) -> None:
-        pass
+        """After each step where `self.due(info.step)`: `trainer` is the `Trainer`,
+        `info` the `lowtrain.StepInfo` of the step (`info.state` after it)."""
 
     def on_eval_end(self, trainer, info: StepInfo) -> None:
-        pass
+        """After each evaluation of `trainer`: `info.eval` holds its metrics."""
 
     def on_checkpoint(self, trainer, info: StepInfo, path: pathlib.Path) -> None:
-        pass
+        """After a checkpoint of `trainer`'s `fit` is saved, at the step of `info`,
+        to the folder `path`."""
 
     def on_fit_end(self, trainer, state: TrainState) -> None:
-        pass
+        """Once, when `trainer`'s `fit` returns (also after a stop), with the final
+        `state`."""
 
 
 def overrides(callback: Callback, name: str) -> bool:
@@ -251,12 +255,13 @@ _BEST = "best"  # BestCheckpoint's folder inside the checkpoint directory
 
 
 class BestCheckpoint(Callback):
-    """Keep the `keep` best checkpoints by `monitor` (a key of the logged record,
-    `eval_loss` by default; `mode="max"` for accuracy), as Lightning's
-    `ModelCheckpoint(monitor=...)`: at each evaluation that is among the best so
-    far, the state is saved (and checked) to `<directory>/ckpt_<step>`, and a
-    worse one beyond `keep` is deleted. `directory` defaults to `best/` inside
-    `fit`'s `checkpoint_dir`, apart from the newest-N checkpoints `fit` rotates.
+    """Keep the `keep_checkpoints` best checkpoints by `monitor` (a key of the
+    logged record, `eval_loss` by default; `mode="max"` for accuracy), as
+    Lightning's `ModelCheckpoint(monitor=...)`: at each evaluation that is among the
+    best so far, the state is saved (and checked) to `<directory>/ckpt_<step>`, and
+    a worse one beyond `keep_checkpoints` is deleted. `directory` defaults to
+    `best/` inside `fit`'s `checkpoint_dir`, apart from the newest-N checkpoints
+    `fit` rotates.
     Each carries its value in its `extra` (`{"monitor", "mode", "value"}`, see
     `lowtrain.checkpoint_extra`); `lowtrain.train.best_checkpoint(directory)` finds
     the best again, also after a restart (the values kept are read back then).
@@ -287,12 +292,15 @@ class BestCheckpoint(Callback):
         self,
         monitor: str = "eval_loss",
         mode: str = "min",
-        keep: int = 1,
+        keep_checkpoints: int = 1,
         directory=None,
     ):
         _check_mode(mode, "BestCheckpoint")
-        positive_int(keep, "BestCheckpoint(keep=)", optional=False)
-        self.monitor, self.mode, self.keep = monitor, mode, keep
+        positive_int(
+            keep_checkpoints, "BestCheckpoint(keep_checkpoints=)", optional=False
+        )
+        self.monitor, self.mode = monitor, mode
+        self.keep_checkpoints = keep_checkpoints
         self._given = None if directory is None else pathlib.Path(directory)
         self.directory: pathlib.Path | None = self._given
         self.kept: list[tuple[float, int, pathlib.Path]] = []  # best first
@@ -319,7 +327,7 @@ class BestCheckpoint(Callback):
         if not math.isfinite(value):
             return
         worst = self.kept[-1][0] if self.kept else None
-        if len(self.kept) >= self.keep and not self._better(value, worst):
+        if len(self.kept) >= self.keep_checkpoints and not self._better(value, worst):
             return
         path = self.directory / f"ckpt_{info.step:08d}"  # as `fit` names them
         extra = {"monitor": self.monitor, "mode": self.mode, "value": value}
@@ -327,10 +335,10 @@ class BestCheckpoint(Callback):
         self.kept = [k for k in self.kept if k[2] != path]
         self.kept.append((value, info.step, path))
         self.kept.sort(key=_rank_key(self.mode))
-        for _, _, old in self.kept[self.keep :]:
+        for _, _, old in self.kept[self.keep_checkpoints :]:
             if jax.process_index() == 0:
                 shutil.rmtree(old, ignore_errors=True)
-        self.kept = self.kept[: self.keep]
+        self.kept = self.kept[: self.keep_checkpoints]
         log.info("best %s %.6g at step %d: %s", self.monitor, value, info.step, path)
 
 

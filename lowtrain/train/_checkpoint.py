@@ -579,9 +579,9 @@ def _check_writable(directory: pathlib.Path) -> None:
 class Checkpoints:
     """The checkpoints `Trainer.fit` writes in `directory` (nothing if it is None):
     `ckpt_<step>` directories written by orbax, each read back and checked against
-    its checksums before it counts, and the newest `keep` checked ones kept (an
-    older one is deleted only once a newer one has passed its check, so the newest
-    checked checkpoint is never deleted).
+    its checksums before it counts, and the newest `keep_checkpoints` checked ones
+    kept (an older one is deleted only once a newer one has passed its check, so
+    the newest checked checkpoint is never deleted).
 
     `save(step, state, extra)` is called by every process. With `asynchronous`, it
     returns once the arrays are copied to host memory and orbax writes them on a
@@ -590,9 +590,9 @@ class Checkpoints:
     `CheckpointCorruptError`: the run stops rather than go on without a checkpoint.
     """
 
-    def __init__(self, directory, keep: int, asynchronous: bool = False):
+    def __init__(self, directory, keep_checkpoints: int, asynchronous: bool = False):
         self._manager = None
-        self._keep = keep
+        self._keep = keep_checkpoints
         self._asynchronous = bool(asynchronous)
         self._pending: tuple[int, list, dict] | None = None  # saved, not yet checked
         if directory is None:

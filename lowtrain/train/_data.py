@@ -68,6 +68,19 @@ class ArrayBatches:
         process_index: int = 0,
         process_count: int = 1,
     ):
+        """**Arguments:**
+
+        - `arrays`: a pytree of arrays (numpy or JAX) that share their leading
+          dimension `n`, the number of examples.
+        - `batch_size`: the global batch size, an int in `[1, n]`.
+        - `seed`: the seed of the shuffle (each epoch's order is
+          `default_rng((seed, epoch)).permutation(n)`); default 0.
+        - `shuffle`: whether each epoch's order is shuffled; if False it is
+          `arange(n)`. Default True.
+        - `process_index`: this process's index, in `[0, process_count)`; default 0.
+        - `process_count`: the number of processes, which divides `batch_size`;
+          default 1.
+        """
         leaves, paths = [], []
         for path, x in jax.tree_util.tree_flatten_with_path(arrays)[0]:
             paths.append(jax.tree_util.keystr(path) or "arrays")
@@ -242,10 +255,10 @@ def _iterable(x) -> bool:
 
 
 def from_iterable(source: Iterable | Callable[[], Iterable]) -> IterableBatches:
-    """`data(step) -> batch` for `Trainer.fit` from any iterable of batches (a
-    generator, a PyTorch `DataLoader`, a tf.data iterator), or from a function that
+    """`data(step) -> batch` for `Trainer.fit` from `source`: any iterable of batches
+    (a generator, a PyTorch `DataLoader`, a tf.data iterator), or a function that
     makes one, each call an epoch: `make()` or `make(epoch)` (0, 1, ...: seed the
-    epoch's shuffle with it).
+    epoch's shuffle with it). Anything else raises `TypeError`.
 
     The batches are read in order: `data(s)` is the `s`-th batch read. A resumed run
     starts at the checkpoint's step `s`: the batches before it are read again and
@@ -394,6 +407,18 @@ def from_grain(
       position (`get_state`) is saved with each checkpoint `fit` writes and set
       back (`set_state`) when `fit` resumes, so the run goes on with the batch
       after the checkpoint's.
+
+    **Arguments:**
+
+    - `dataset`: a `grain.MapDataset`, `grain.IterDataset` or `grain.DataLoader`
+      (above); another type raises `TypeError`.
+    - `batch_size`: the global batch size, for a `MapDataset` of single examples
+      only (with another dataset it raises `ValueError`); None (default): the
+      dataset is batched already.
+    - `process_index`: keyword-only; this process's index, which picks its rows
+      of a `MapDataset`'s batches; None (default): `jax.process_index()`.
+    - `process_count`: keyword-only; the number of processes sharing a
+      `MapDataset`'s batches; None (default): `jax.process_count()`.
 
     ```python
     import grain

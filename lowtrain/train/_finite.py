@@ -39,6 +39,13 @@ def apply_if_finite(
     update's arithmetic, which a GPU spends anyway on the steps it applies. The
     Trainer uses it on GPUs (module docstring).
 
+    **Arguments:**
+
+    - `inner`: the optax optimizer whose updates are applied when finite.
+    - `max_consecutive_errors`: how many non-finite steps in a row are skipped;
+      those after them are applied until a finite step resets the count (the
+      Trainer passes the int32 maximum, which the count never exceeds).
+
     ```python
     import jax.numpy as jnp
     import optax

@@ -103,7 +103,7 @@ class StepInfo(eqx.Module):
     def stop(self, reason: str = "stopped by a callback") -> None:
         """Ask `Trainer.fit` to end after this step: it saves this step's checkpoint
         (with a `checkpoint_dir`), runs `on_fit_end` and returns the state. The
-        reason goes to the `lowtrain` logger."""
+        `reason` (a string) goes to the `lowtrain` logger."""
         self._stop.append(str(reason))
 
     @property

@@ -58,9 +58,19 @@ class Logger(Protocol):
     ```
     """
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log one record.
 
-    def log_hyperparams(self, params: dict) -> None: ...
+        **Arguments:**
+
+        - `metrics`: scalar metrics by name: floats, ints or 0-d NumPy/JAX arrays;
+          None for a value not known.
+        - `step`: the train step of the record, an int.
+        """
+
+    def log_hyperparams(self, params: dict) -> None:
+        """Log the run's configuration `params`, a nested dict, flattened as the
+        destination needs (`{"optimizer": {"lr": 0.1}}` as `optimizer.lr`)."""
 
     def close(self) -> None: ...
 
@@ -89,13 +99,23 @@ class LoggerBase:
     """
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log one record; a subclass defines it (here it raises
+        `NotImplementedError`).
+
+        **Arguments:**
+
+        - `metrics`: scalar metrics by name: floats, ints or 0-d NumPy/JAX arrays;
+          None for a value not known. A `"step"` entry is ignored: `step` is used.
+        - `step`: the train step of the record, an int.
+        """
         raise NotImplementedError(
             f"Expected `{type(self).__name__}` to define `log_metrics(metrics, "
             "step)`, got none. Write it in the subclass."
         )
 
     def log_hyperparams(self, params: dict) -> None:
-        pass
+        """Log the run's configuration `params`, a nested dict; here it does
+        nothing."""
 
     def flush(self) -> None:
         pass
@@ -172,6 +192,12 @@ class JsonlLogger(LoggerBase):
     last line is dropped and the rows of later steps move to `<path>.replaced`.
     `log_hyperparams` writes nothing (the metrics file holds metrics only).
 
+    **Arguments:**
+
+    - `path`: the file, a string or path (its folder is made if missing).
+    - `after_step`: the step a resumed run goes on from, or None (default): the
+      file is appended to as it is.
+
     ```python
     import json, pathlib, tempfile
     import jax.numpy as jnp
@@ -224,6 +250,12 @@ class CSVLogger(LoggerBase):
     writing it) is dropped. With `after_step` (a run resumed from that step), its
     rows of later steps move to `<path>.replaced` (appended there, header first),
     as `JsonlLogger` does. `log_hyperparams` writes nothing.
+
+    **Arguments:**
+
+    - `path`: the file, a string or path (its folder is made if missing).
+    - `after_step`: the step a resumed run goes on from, or None (default): no row
+      is moved.
 
     ```python
     import csv, pathlib, tempfile
@@ -367,6 +399,16 @@ class WandbLogger(LoggerBase):
     (`WANDB_MODE=offline`, or `mode="offline"`) the run is written under
     `<dir>/wandb/` for `wandb sync`.
 
+    **Arguments:**
+
+    - `project`: the W&B project; None (default): wandb's default.
+    - `name`: the run's display name; None (default): W&B picks one.
+    - `dir`: the folder wandb writes under (made if missing); None (default):
+      wandb's default.
+    - `config`: the run's initial config, a dict; None (default): empty.
+    - `**init_kwargs`: any other argument of `wandb.init` (`mode`, `entity`,
+      `tags`, ...).
+
     ```python
     import pathlib, tempfile
     import lowtrain
@@ -438,6 +480,13 @@ class MLflowLogger(LoggerBase):
     opens only with `MLFLOW_ALLOW_FILE_STORE=true` in the environment: for such a
     URI the logger sets it when it is unset. (`sqlite:///mlflow.db` is the database
     store MLflow recommends; it needs the full `mlflow` package.)
+
+    **Arguments:**
+
+    - `tracking_uri`: the tracking server or store: `http(s)://...`,
+      `sqlite:///...`, `file:///...` or a path.
+    - `experiment_name`: the experiment the run goes in (default "lowtrain").
+    - `run_name`: the run's name; None (default): MLflow picks one.
 
     ```python
     import pathlib, tempfile

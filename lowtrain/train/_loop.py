@@ -47,7 +47,7 @@ from ._data import restore_data_position, with_data_position
 from ._health import HealthCheck
 from ._hooks import StepInfo, finite_number, positive_int
 from ._lock import RunLock
-from ._metrics import LearningRates
+from ._metrics import LearningRates, batch_size
 from ._placement import step_batch
 from ._preemption import Preempted, SignalWatch, agree, check_stop_signals
 from ._state import TrainState
@@ -61,11 +61,50 @@ log = logging.getLogger("lowtrain")
 class FitRun:
     """One `Trainer.fit` in progress: `trainer.fit_run` while it runs.
 
-    Built by `fit` from its arguments (see there); callbacks reach it as
-    `trainer.fit_run` to read the run (`schedule`, `data`, `start_step`, `resumed`,
-    `metrics_file`) or add to it (`log_event`). Calling it trains from `state` and
-    returns the new state; the phases are its methods, in the order of the module
-    docstring of `lowtrain/train/_loop.py`.
+    Built by `fit` from its arguments; callbacks reach it as `trainer.fit_run` to
+    read the run (`schedule`, `data`, `start_step`, `resumed`, `metrics_file`) or
+    add to it (`log_event`). Calling it trains from `state` and returns the new
+    state; the phases are its methods, in the order of the module docstring of
+    `lowtrain/train/_loop.py`. What it does:
+
+    - **Logging.** At the steps `schedule.log_every` divides, at steps that
+      evaluate and at the last: the progress bar shows the loss and loss scale,
+      and a record goes to each logger (process 0 only) and to `history`.
+    - **Checkpoints.** At the steps due and at the last, the `TrainState` is saved
+      (orbax, each process its shards) to `checkpoint_dir/ckpt_<step>` with
+      `checkpoint_extra`, read back and checked against its checksums, and the
+      newest `keep_checkpoints` that passed are kept. With `async_checkpoint` it
+      is written in the background once copied to host. `data` with
+      `get_state()` / `set_state(s)` has its position saved with each
+      checkpoint and restored on resume.
+    - **Resume.** The newest checkpoint that passes its checks is loaded into
+      `state`'s structure and shardings (a damaged one is set aside with a warning
+      and the one before tried; a mismatched one is refused), "resumed from step N
+      (path)" is logged on the `lowtrain` logger, and the run goes on exactly: the
+      same batches, keys and loss scale. Its `metrics_file` is made one row per
+      step: the rows after the checkpoint's step (written before a crash) move to
+      `<metrics_file>.replaced`.
+    - **Callbacks.** They and the Trainer's hooks run after the step's log and
+      save. One that stops the run has that step saved, and `fit` returns.
+    - **Signals.** On the first of `stop_signals` (add "SIGUSR1" for SLURM's
+      notice before a requeue) the step in flight finishes, is logged and saved
+      synchronously (pending asynchronous saves completed, loggers flushed), and
+      `fit` raises `lowtrain.train.Preempted` (the step, the path, the signal;
+      `exit_code` 128 + its number). A second one acts at once. In a
+      multi-process run the processes agree at the next step that logs: any one
+      signalled stops them all at the same step.
+    - **Health.** A step's health (see `Trainer`) is checked one step late, so the
+      device never waits for it, except at steps that log, evaluate, run hooks or
+      save, where it is checked first; `checkpoint_every_minutes` is checked after
+      every step (in a multi-process run, at the steps that log).
+
+    **Arguments:**
+
+    - `trainer`: the `Trainer` whose `compiled_step` it runs.
+    - `data`: `data(step) -> batch`, as `fit` takes it.
+    - `schedule`: the run's `Schedule` (`schedule_fit` of `fit`'s arguments).
+    - `callbacks`, `loggers`, `metrics_file`, `checkpoint_extra`, `resume`,
+      `async_checkpoint`, `progress`, `stop_signals`: as `Trainer.fit` takes them.
 
     ```python
     import equinox as eqx
@@ -152,8 +191,9 @@ class FitRun:
         return state
 
     def after_step(self, done: int, state, metrics, batch) -> StepInfo | None:
-        """Everything after the step that makes `state.step == done`, in order; the
-        `StepInfo` where anything ran (None: a step that syncs nothing)."""
+        """Everything after the step that makes `state.step` equal `done`, in order; the
+        `StepInfo` where anything ran (None: a step that syncs nothing).
+        `metrics` and `batch` are the step's (`step` returns them)."""
         when, trainer = self.schedule, self.trainer
         hooks = [h for h in trainer.hooks if done % h.every == 0]
         calls = [c for c in self._step_callbacks if c.due(done)]
@@ -196,8 +236,9 @@ class FitRun:
 
     def start(self, state: TrainState) -> TrainState:
         """Lock the checkpoint folder (one run per folder; process 0 holds it for
-        the run's processes), resume or check it is empty, restore the data's
-        position, open the metrics file and the progress bar."""
+        the run's processes), resume into `state` or check the folder is empty,
+        restore the data's position, open the metrics file and the progress bar;
+        returns the state to start from."""
         when = self.schedule
         if when.checkpoint_dir and self.is_main:
             self.lock = RunLock(when.checkpoint_dir)
@@ -235,8 +276,9 @@ class FitRun:
         return state
 
     def step(self, s: int, state: TrainState) -> tuple[TrainState, dict, PyTree]:
-        """The train step from `state.step == s` on `data(s)`: its batch checked
-        and placed, the numerics recorded when due, the compiled step queued."""
+        """The train step from `state` (at step `s`) on `data(s)`: its batch
+        checked and placed, the numerics recorded when due, the compiled step
+        queued; returns the new state, the step's metrics and the placed batch."""
         trainer = self.trainer
         batch = self.data(s)
         if any(np.shape(x)[:1] == (0,) for x in jax.tree.leaves(batch)):
@@ -254,8 +296,9 @@ class FitRun:
         return state, metrics, batch
 
     def check_health(self, step: int, health, state, now: bool) -> None:
-        """Check the step before's health, and this one's when `now` (a step that
-        syncs waits for the device anyway); otherwise it waits for the next."""
+        """Check the step before's health, and this one's (`step`, its `health`
+        metric, the loss scale of `state`) when `now` (a step that syncs waits for
+        the device anyway); otherwise it waits for the next."""
         if self.pending is not None:
             self.health(*self.pending)
         floor = state.loss_scale.floor()
@@ -265,7 +308,8 @@ class FitRun:
             self.pending = None
 
     def info(self, state, metrics, batch, done: int) -> StepInfo:
-        """The `StepInfo` after step `done` (its throughput since `self.clock`)."""
+        """The `StepInfo` of `state` after step `done`, with the step's `metrics`
+        and its throughput since `self.clock` (examples: `batch`'s leading axis)."""
         loss = float(metrics["loss"])  # waits for the step to finish
         elapsed = max(time.perf_counter() - self.clock[1], 1e-12)
         steps_per_second = (done - self.clock[0]) / elapsed
@@ -288,10 +332,14 @@ class FitRun:
         )
 
     def evaluate(self, info: StepInfo) -> StepInfo:
+        """`info` with `eval`: `Trainer.run_evaluation` of its state on the eval
+        data."""
         results = self.trainer.run_evaluation(info.state, self.schedule.eval_data)
         return dataclasses.replace(info, eval=results)
 
     def log(self, info: StepInfo) -> StepInfo:
+        """`info` with its `record`, logged to the progress bar, `history` and the
+        loggers."""
         info = dataclasses.replace(info, record=record(info))
         self.bar.set_postfix(loss=f"{info.loss:.4g}", scale=f"{info.loss_scale:g}")
         self.history.append(info.record)
@@ -300,8 +348,9 @@ class FitRun:
         return info
 
     def log_event(self, row: dict, step: int) -> None:
-        """A row that is not a step's metrics (`{"event": ..., ...}`, such as the
-        autopilot's plans) to the metrics file, where there is one."""
+        """`row`, a record that is not a step's metrics (`{"event": ..., ...}`,
+        such as the autopilot's plans), to the metrics file at `step`, where there
+        is one."""
         if self._own_logger is not None:
             self._own_logger.log_metrics(row, step)
 
@@ -316,6 +365,9 @@ class FitRun:
         return path
 
     def call_back(self, info: StepInfo, evaluated: bool, calls, hooks) -> None:
+        """The callbacks' `on_eval_end` (if `evaluated`), then `on_step_end` of
+        `calls` (the callbacks due) and the `hooks` due, with `info`; a
+        `StopTraining` raised by one stops the run (`info.stop`)."""
         trainer = self.trainer
         try:
             if evaluated:
@@ -330,7 +382,7 @@ class FitRun:
 
     def finish(self, state: TrainState) -> None:
         """The last health check, the last save checked; `Preempted` after a stop
-        signal, else `on_fit_end`."""
+        signal, else `on_fit_end` with the final `state`."""
         if self.pending is not None:
             self.health(*self.pending)
             self.pending = None
@@ -533,12 +585,6 @@ def record(info: StepInfo) -> dict:
     for name, value in (info.eval or {}).items():
         record[f"eval_{name}"] = value
     return record
-
-
-def batch_size(batch: PyTree) -> int:
-    """The number of examples of a batch: the leading axis of its first leaf."""
-    leaves = jax.tree.leaves(batch)
-    return int(np.shape(leaves[0])[0]) if leaves else 0
 
 
 def check_loggers(loggers) -> list:

@@ -1,10 +1,11 @@
-"""Metrics: the JSONL log, the learning rate, the gradient norm."""
+"""Metrics: the JSONL log, the learning rate, the gradient norm, the weighted mean
+of eval metrics."""
 
 from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -171,3 +172,31 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def batch_size(batch: PyTree) -> int:
+    """The number of examples of a batch: the leading axis of its first leaf."""
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves else 0
+
+
+def mean_metrics(evaluate: Callable[[PyTree], dict], data: Iterable[PyTree]) -> dict:
+    """The mean of each metric `evaluate(batch)` returns over the batches of `data`,
+    each batch weighted by its number of examples (the leading axis of its first
+    leaf; 1 for a batch without one)."""
+    totals: dict[str, float] = {}
+    count = 0
+    for batch in data:
+        metrics = evaluate(batch)
+        if not isinstance(metrics, dict):
+            raise TypeError(
+                "Expected `evaluate` to return a dict of scalars such as "
+                f"{{'loss': loss}}, got {type(metrics).__name__} instead."
+            )
+        weight = max(batch_size(batch), 1)
+        for name, value in metrics.items():
+            totals[name] = totals.get(name, 0.0) + weight * float(value)
+        count += weight
+    if not count:
+        raise ValueError("Expected at least one batch in the eval data, got none.")
+    return {name: total / count for name, total in totals.items()}

@@ -41,7 +41,7 @@ def read_inplace_state(model: PyTree) -> list:
     return [leaves[i] for i in _state_indices(model)]
 
 
-def keep_inplace_state(model: PyTree, new: list, old: PyTree, applied) -> PyTree:
+def carry_inplace_state(model: PyTree, new: list, old: PyTree, applied) -> PyTree:
     """`model` with its non-Param NNX Variables set to `new` (what the step's call
     left) where `applied`, else to `old`'s (a skipped step changes nothing), each in
     its own dtype."""

@@ -77,9 +77,11 @@ class NumericsRecorder:
     def maybe_record(
         self, loss_and_grads, state, batch, step: int, metrics_file
     ) -> None:
-        """Record a report of `loss_and_grads(batch, state) -> (grads, metrics)` if
-        `step % every == 0` (see the class docstring); it is tracked once
-        (compiled at the first report) and the same function is expected after."""
+        """Record a report of `loss_and_grads(batch, state) -> (grads, metrics)` on
+        `batch` from `state` if `step % every == 0` (see the class docstring),
+        written as a row of `metrics_file` (a path, or None for none); it is
+        tracked once (compiled at the first report) and the same function is
+        expected after."""
         if self.every is None or step % self.every:
             return
         if self._tracked is None or self._fn is not loss_and_grads:

@@ -44,6 +44,12 @@ def array_spec(shape: tuple[int, ...], n_devices: int, sharding: str) -> P:
     (replicated) if it has fewer than 1024 elements (`FSDP_MIN_SIZE`: biases, norm
     scales, counters), no such dimension, or there is one device.
 
+    **Arguments:**
+
+    - `shape`: the array's shape, a tuple of ints.
+    - `n_devices`: the number of devices on the "data" mesh axis.
+    - `sharding`: the strategy, `Trainer`'s `sharding`: "replicated" or "fsdp".
+
     ```python
     from jax.sharding import PartitionSpec as P
     from lowtrain.train import array_spec
@@ -137,3 +143,14 @@ def step_batch(devices: Sequence[jax.Device], mesh: Mesh, batch: PyTree) -> PyTr
     if not all(isinstance(x, np.ndarray) and x.ndim for x in leaves):
         return shard_batch(devices, mesh, batch)  # places them, or says what is wrong
     return jax.tree.unflatten(treedef, [x.copy() for x in leaves])
+
+
+def eval_batch(devices: Sequence[jax.Device], mesh: Mesh, batch: PyTree) -> PyTree:
+    """`batch` placed for evaluation: split as `shard_batch` does, or, in one
+    process, whole on every device when its leading axis does not divide over
+    them (a last partial batch)."""
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    sizes = {np.shape(x)[0] if np.ndim(x) else 0 for x in jax.tree.leaves(batch)}
+    if jax.process_count() == 1 and any(n % len(local) for n in sizes):
+        return jax.device_put(batch, NamedSharding(mesh, P()))
+    return shard_batch(devices, mesh, batch)

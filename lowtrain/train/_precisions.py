@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import fp8, scalify
 from .._amp import Policy, amp, get_policy
@@ -15,7 +16,7 @@ from .._loss_scale import AbstractLossScale, DynamicLossScale, NoOpLossScale
 from .._rewrite import Rule, rewrite
 from ..fp8.internal import advanced_scales, split_records, zero_scales
 from ..unit_scaling import constraints, unit_scale
-from ._protocol import Chain, Precision
+from ._protocol import Precision
 
 F32 = jnp.float32
 
@@ -233,6 +234,9 @@ class UnitScale(Precision):
     without unit scaling (N(0, 1) weights, plain matmuls, `jax.nn` nonlinearities)
     gets unit-scaling's forward and backward scales on each op. Chain it before a
     plain FP8 cast (`[UnitScale(), Rewrite({...: fp8_cast_op}), Amp("bf16")]`).
+    `constraint`: how an op's forward and backward scales are reconciled where
+    they must be one (`lowtrain.unit_scaling.constraints`; default `gmean`, their
+    geometric mean; None: each kept).
 
     ```python
     import jax.numpy as jnp
@@ -252,38 +256,38 @@ class UnitScale(Precision):
         return unit_scale(model, constraint=self.constraint)
 
 
-# The recipes' precisions that are not policies (conf/precision/), and the factory
-# of `lowtrain.recipes.precisions` that builds each in Python.
-RECIPE_PRECISIONS = {
-    "fp8_delayed": "delayed_fp8()",
-    "fp8_naive": "naive_fp8()",
-    "scalify_fp16": "scalify()",
-    "scalify_fp8": "scalify(fp8=True)",
-}
-
-
-def resolve(precision) -> Precision:
-    """The `Precision` the Trainer runs, from its `precision` argument (see
-    `Trainer`): a policy (or None: "fp32") means `[Amp(policy), DelayedFp8()]`; a
-    list or tuple of precisions, their `Chain`."""
-    if isinstance(precision, str) and precision in RECIPE_PRECISIONS:
-        raise ValueError(
-            f"Expected a policy name (fp32, bf16, fp16, fp8) or a `Precision`, got "
-            f"{precision!r}, the name of a precision of the recipes "
-            f"(`python -m lowtrain precision={precision}`) instead. In Python, pass "
-            f"`lowtrain.recipes.precisions.{RECIPE_PRECISIONS[precision]}` (it "
-            "builds the same precision), or see the Trainer guide's precisions."
+def resolve_loss_scale(precision: Precision, loss_scale) -> AbstractLossScale:
+    """The Trainer's loss scale: `loss_scale`, or the precision's default
+    (`NoOpLossScale()` where it has none)."""
+    if loss_scale is None:
+        loss_scale = precision.default_loss_scale() or NoOpLossScale()
+    if not isinstance(loss_scale, AbstractLossScale):
+        raise TypeError(
+            "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
+            f"{type(loss_scale).__name__} instead."
         )
-    if precision is None or isinstance(precision, str | Policy):
-        # A policy: AMP, and the FP8 delayed-scaling state of the model if it has
-        # any (`DelayedFp8` leaves a model without it alone).
-        return Chain(Amp(precision or "fp32"), DelayedFp8())
-    if isinstance(precision, Precision):
-        return precision
-    if isinstance(precision, list | tuple):
-        return Chain(*precision)
-    raise TypeError(
-        "Expected a `lowtrain.train.Precision` (e.g. `lowtrain.train.Amp('bf16')`), "
-        f"a list of them, or a policy name such as 'bf16', got "
-        f"{type(precision).__name__} instead."
-    )
+    return loss_scale
+
+
+def check_stored_alike(precision: Precision, state, expected) -> None:
+    """That `state` has the structure, shapes and dtypes of `expected` (the
+    abstract state `precision` stores), for `Trainer.use_precision`."""
+    ours, tree = jax.tree_util.tree_flatten_with_path(state)
+    want, want_tree = jax.tree.flatten(expected)
+    mismatch = "" if tree == want_tree else "another pytree structure"
+    for (path, a), b in zip(ours, want) if not mismatch else ():
+        if isinstance(b, jax.ShapeDtypeStruct) and (
+            np.shape(a) != b.shape or jnp.result_type(a) != b.dtype
+        ):
+            mismatch = (
+                f"state{jax.tree_util.keystr(path)} is {jnp.result_type(a)}"
+                f"{list(np.shape(a))}, expected {b.dtype}{list(b.shape)}"
+            )
+            break
+    if mismatch:
+        raise ValueError(
+            f"Expected a precision that stores the state as it is, got "
+            f"{type(precision).__name__}, which stores it otherwise: {mismatch}. "
+            "Build a new Trainer with it and start from `trainer.init` (or a "
+            "checkpoint of that precision) instead."
+        )

@@ -28,6 +28,12 @@ class Preempted(Exception):
     (`signal`). `exit_code` is the shell's status for a process ended by that
     signal (128 + its number: 143 for SIGTERM, 130 for SIGINT).
 
+    **Arguments:**
+
+    - `signum`: the number of the signal received (`signal.SIGTERM`, ...).
+    - `step`: the step the run reached.
+    - `path`: where that step was saved, or None (default): not saved.
+
     ```python
     import signal
     from lowtrain.train import Preempted

@@ -78,36 +78,60 @@ class Precision(eqx.Module):
     """
 
     def cast_params(self, model: PyTree) -> PyTree:
+        """In `Trainer.init`: `model` with its parameters in their stored dtype (the
+        optimizer state is initialised on its float arrays, through
+        `to_optimizer`)."""
         return model
 
     def store(self, model: PyTree, opt_state: PyTree) -> tuple[PyTree, PyTree]:
+        """In `Trainer.init`: `model` and `opt_state` in the form the step carries
+        them (scalify: `ScaledArray`s)."""
         return model, opt_state
 
     def default_loss_scale(self) -> AbstractLossScale | None:
+        """The loss scale to use when the Trainer is given none, or None for no
+        opinion (then `NoOpLossScale()`)."""
         return None
 
     def wrap_step(self, step: Callable) -> Callable:
+        """The whole step as it runs: `step(*args) -> (carry, metrics)` wrapped
+        (scalify runs it under `lowtrain.scalify.scalify`); the wrapped step must
+        return `metrics` as plain arrays. Evaluation runs through it too."""
         return step
 
     def inputs(self, batch: PyTree) -> PyTree:
+        """In the step: `batch` as the model is fed it."""
         return batch
 
     def wrap_model(self, model: PyTree) -> PyTree:
+        """In the step: what `Trainer.loss` and `Trainer.evaluate` receive for
+        `model`, the stored model (`lowtrain.amp(model, policy)`, a
+        `lowtrain.rewrite` of it, ...)."""
         return model
 
     def split_gradients(self, grads: PyTree) -> tuple[PyTree, Any]:
+        """In the step: `(grads, extra)`, `grads` without what is not for the
+        optimizer (FP8 delayed-scaling state); `extra` comes back in `merge`."""
         return grads, None
 
     def to_optimizer(self, tree: PyTree) -> PyTree:
+        """In the step: `tree` (the gradients, or the parameters) as the optimizer
+        sees it."""
         return tree
 
     def from_optimizer(self, updates: PyTree, params: PyTree) -> PyTree:
+        """In the step: the optimizer's `updates` as applied to `params` (the
+        stored parameters)."""
         return updates
 
     def merge(self, model: PyTree, extra: Any) -> PyTree:
+        """In the step: the updated `model` with `extra` (of `split_gradients`)
+        written back."""
         return model
 
     def export(self, model: PyTree) -> PyTree:
+        """Outside the step: `model` (a stored model) as a plain callable for use
+        outside the Trainer, e.g. sampling text (default: `wrap_model(model)`)."""
         return self.wrap_model(model)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import equinox as eqx
+import jax
 import optax
 from jaxtyping import Array, Int, PRNGKeyArray, PyTree
 
@@ -60,3 +61,19 @@ class TrainState(eqx.Module):
                 "`Trainer.init`."
             )
         return self.opt_state.total_notfinite
+
+
+def check_model_state(model_state: PyTree) -> PyTree:
+    """`model_state` (the `Trainer`'s argument), or an error naming what a model
+    state must be: None or a pytree of arrays."""
+    if model_state is None:
+        return None
+    leaves = jax.tree.leaves(model_state)
+    if not leaves or not all(eqx.is_array(x) for x in leaves):
+        raise TypeError(
+            "Expected `model_state` to be the state of a stateful model, a pytree of "
+            "arrays such as `eqx.nn.State` (from `eqx.nn.make_with_state`), got "
+            f"{type(model_state).__name__} with "
+            f"{'no arrays' if not leaves else 'leaves that are not arrays'} instead."
+        )
+    return model_state

@@ -46,6 +46,16 @@ def gelu(
     - gradient of `x`: from 2 to `sqrt(2)`, about 1.52 at `mult=1`;
     - tied by `constraint` (default `gmean`, about 1.64 for both at `mult=1`).
 
+    **Arguments:**
+
+    - `x`: the input, a float array of any shape.
+    - `mult`: the input multiplier (> 0; default 1.0): gelu is applied to `mult * x`
+      and its output divided by `mult`, so a larger `mult` makes it more relu-like.
+    - `constraint`: ties the output and input-gradient scales (a function of
+      `lowtrain.unit_scaling.constraints`; default `gmean`); None keeps them apart.
+    - `approximate`: False (default) for the exact erf form, True for the tanh
+      approximation (`jax.nn.gelu`'s `approximate`).
+
     ```python
     import jax
     import jax.numpy as jnp
@@ -152,6 +162,16 @@ def softmax(
     weight `sigmoid(log(mult**2 / 4))`: output from `n` to `sqrt(n)`; gradient of `x`
     from `n / mult` to `sqrt(n / mult)`; tied by `constraint` (default `gmean`; at
     `mult=1` both are `n ** 0.9`).
+
+    **Arguments:**
+
+    - `x`: the logits, a float array of any shape.
+    - `axis`: the axis (an int) normalized over (default -1, the last); it sets
+      `n = x.shape[axis]`.
+    - `mult`: the input multiplier (an inverse temperature, > 0; default 1.0): the
+      softmax is of `mult * x`.
+    - `constraint`: ties the output and input-gradient scales (default `gmean`);
+      None keeps them apart.
 
     ```python
     import jax

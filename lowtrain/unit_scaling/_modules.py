@@ -53,13 +53,22 @@ class _Linear(eqx.Module):
 class Linear(_Linear):
     """A unit-scaled `eqx.nn.Linear`: `U.linear(x, weight, bias, constraint)`.
 
-    `Linear(in_features, out_features, use_bias=True, *, constraint=gmean,
-    dtype=None, key)`. `weight` has shape `(out_features, in_features)` and
-    unit-normal entries, `bias` `(out_features,)` and zeros (or is None). Call it on
-    a whole batch `x` of shape `(..., in_features)`, not under `jax.vmap`: the weight
-    and bias gradients are scaled by `batch ** -0.5`, and under `vmap` the batch is
-    1. Scales: output `in ** -0.5`, input gradient `out ** -0.5`, tied by
-    `constraint`; see `lowtrain.unit_scaling.functional.linear`.
+    `weight` has shape `(out_features, in_features)` and unit-normal entries, `bias`
+    `(out_features,)` and zeros (or is None). Call it on a whole batch `x` of shape
+    `(..., in_features)`, not under `jax.vmap`: the weight and bias gradients are
+    scaled by `batch ** -0.5`, and under `vmap` the batch is 1. Scales: output
+    `in ** -0.5`, input gradient `out ** -0.5`, tied by `constraint`; see
+    `lowtrain.unit_scaling.functional.linear`.
+
+    **Arguments:**
+
+    - `in_features`: the input size (the last axis of `x`).
+    - `out_features`: the output size.
+    - `use_bias`: whether to add a bias (default True).
+    - `constraint`: keyword-only; ties the output and input-gradient scales
+      (default `gmean`); None keeps them apart.
+    - `dtype`: keyword-only; the parameters' dtype; None (default): float32.
+    - `key`: keyword-only; the PRNG key of the weight's initialization.
 
     ```python
     import jax
@@ -90,6 +99,17 @@ class LinearReadout(_Linear):
     scale `out ** -0.5`, apart from the output's). Call it on whole batches
     `(..., in_features)`, not under `jax.vmap` (the weight gradient is scaled by
     `batch ** -0.5`).
+
+    **Arguments:**
+
+    - `in_features`: the input size (the last axis of `x`).
+    - `out_features`: the output size (e.g. the vocabulary's or the classes').
+    - `use_bias`: whether to add a bias (default False).
+    - `constraint`: keyword-only; ties the output and input-gradient scales;
+      None (default) keeps them apart, `to_output_scale` makes the input gradient
+      the true one.
+    - `dtype`: keyword-only; the parameters' dtype; None (default): float32.
+    - `key`: keyword-only; the PRNG key of the weight's initialization.
 
     ```python
     import jax
@@ -138,6 +158,13 @@ class Embedding(eqx.Module):
     returns shape `ids.shape + (embedding_size,)`), not under `jax.vmap`: the table's
     gradient is scaled by `sqrt(num_embeddings / ids.size)`.
 
+    **Arguments:**
+
+    - `num_embeddings`: the number of rows (the vocabulary size); ids index them.
+    - `embedding_size`: the size of each row, the output's last axis.
+    - `dtype`: keyword-only; the table's dtype; None (default): float32.
+    - `key`: keyword-only; the PRNG key of the table's initialization.
+
     ```python
     import jax
     import jax.numpy as jnp
@@ -179,6 +206,14 @@ class LayerNorm(eqx.Module):
     the weight starts at 1 and the bias at 0. Call it on a whole batch `(..., *shape)`,
     not under `jax.vmap`: the weight and bias gradients are scaled by
     `batch ** -0.5`.
+
+    **Arguments:**
+
+    - `shape`: the trailing axes normalized over, an int or a sequence of ints.
+    - `eps`: added to the variance before the square root (default `1e-5`).
+    - `use_weight`: whether to learn a gain of shape `shape` (default False).
+    - `use_bias`: whether to learn a bias of shape `shape` (default False).
+    - `dtype`: keyword-only; the weight's and bias's dtype; None (default): float32.
 
     ```python
     import jax
@@ -227,6 +262,13 @@ class RMSNorm(eqx.Module):
     By default it has no weight (`use_weight=False`, as in u-μP); with one it starts
     at 1. Call it on a whole batch `(..., *shape)`, not under `jax.vmap`: the weight
     gradient is scaled by `batch ** -0.5`.
+
+    **Arguments:**
+
+    - `shape`: the trailing axes normalized over, an int or a sequence of ints.
+    - `eps`: added to the mean square before the square root (default `1e-5`).
+    - `use_weight`: whether to learn a gain of shape `shape` (default False).
+    - `dtype`: keyword-only; the weight's dtype; None (default): float32.
 
     ```python
     import jax

@@ -48,6 +48,19 @@ def layer_norm(
     input gradient too for unit-RMS inputs and cotangent); gradients of `weight`
     and `bias`: `batch ** -0.5`, where `batch = x.size / prod(normalized_shape)`.
 
+    **Arguments:**
+
+    - `x`: the whole batch, a float array of shape `(..., *normalized_shape)`.
+    - `weight`: a gain of shape `normalized_shape`, multiplied after normalizing;
+      None (default): none.
+    - `bias`: of shape `normalized_shape`, added after the gain; None (default):
+      none.
+    - `eps`: added to the variance before the square root (default `1e-5`).
+    - `normalized_shape`: keyword-only; the sizes of the trailing axes normalized
+      over, an int or a sequence of ints; None (default): the weight's or bias's
+      shape if given, else the last axis. Checked against `x`, `weight` and `bias`
+      (`ValueError`).
+
     ```python
     import jax
     import jax.numpy as jnp
@@ -79,6 +92,16 @@ def rms_norm(
 
     Scales: output 1 and gradient of `x` 1 (as for `layer_norm`); gradient of
     `weight`: `batch ** -0.5`, where `batch = x.size / prod(normalized_shape)`.
+
+    **Arguments:**
+
+    - `x`: the whole batch, a float array of shape `(..., *normalized_shape)`.
+    - `weight`: a gain of shape `normalized_shape`, multiplied after normalizing;
+      None (default): none.
+    - `eps`: added to the mean square before the square root (default `1e-5`).
+    - `normalized_shape`: keyword-only; the sizes of the trailing axes normalized
+      over, an int or a sequence of ints; None (default): the weight's shape if
+      given, else the last axis. Checked against `x` and `weight` (`ValueError`).
 
     ```python
     import jax

@@ -23,7 +23,9 @@ def _unknown_kind(info: ParamInfo) -> ValueError:
 
 
 def lr_scale_adam(info: ParamInfo) -> float:
-    """The u-μP learning-rate multiplier of one parameter under Adam or AdamW.
+    """The u-μP learning-rate multiplier of one parameter under Adam or AdamW, from
+    its `info` (a `ParamInfo`: kind, shape, depth); an unknown kind raises
+    `ValueError`.
 
     ```python
     from lowtrain.unit_scaling.optim import ParamInfo, lr_scale_adam
@@ -39,9 +41,10 @@ def lr_scale_adam(info: ParamInfo) -> float:
 
 
 def lr_scale_sgd(readout_constraint: Callable | None) -> Callable[[ParamInfo], float]:
-    """The u-μP learning-rate multiplier function for SGD, given the readout's
-    constraint: None (then SGD sees unit gradients, and the Adam rules apply) or
-    `to_output_scale`.
+    """The u-μP learning-rate multiplier function for SGD, given
+    `readout_constraint`, the constraint of the model's `LinearReadout`: None (then
+    SGD sees unit gradients, and the Adam rules apply) or `to_output_scale` (another
+    raises `ValueError`).
 
     ```python
     import lowtrain.unit_scaling as uu
@@ -82,6 +85,16 @@ def lr_multipliers(
 
     A parameter that no unit-scaled module declares is an error, or gets 1.0 with
     `allow_non_unit_scaling_params=True`.
+
+    **Arguments:**
+
+    - `model`: the Equinox model (or any pytree; abstract, from
+      `eqx.filter_eval_shape`, too) whose modules' `mup_kinds` name the kind of
+      each parameter (see `param_info`).
+    - `lr_scale`: the rule, `lr_scale(info) -> float` for a `ParamInfo`; default
+      `lr_scale_adam` (for SGD, `lr_scale_sgd(readout_constraint)`).
+    - `allow_non_unit_scaling_params`: keyword-only; False (default): a parameter
+      no module declares raises `ValueError`; True: it gets 1.0.
 
     ```python
     import jax
@@ -191,6 +204,28 @@ def adamw(
     (PyTorch's AdamW with these per-parameter learning rates). The default
     `weight_decay=0.0` is the unit-scaling library's.
 
+    **Arguments:**
+
+    - `learning_rate`: the base learning rate, a float or an optax schedule of the
+      step, multiplied per parameter by `lr_scale_adam`.
+    - `b1`: the decay rate of Adam's first moment estimate (default 0.9).
+    - `b2`: the decay rate of its second moment estimate (default 0.999).
+    - `eps`: added to the square root of the second moment in the denominator
+      (default `1e-8`).
+    - `weight_decay`: the decoupled weight decay coefficient; 0.0 (default): none.
+    - `model`: keyword-only; the unit-scaled Equinox model to train, read once for
+      each parameter's multiplier (`lr_multipliers`); `init` expects the structure
+      of `eqx.filter(model, eqx.is_inexact_array)`.
+    - `independent_weight_decay`: keyword-only; True (default): each step decays a
+      parameter by `weight_decay * lr(t) / peak`; False: by
+      `lr(t) * multiplier * weight_decay`.
+    - `peak_learning_rate`: keyword-only; the `peak` of the independent decay
+      (used only then, with a non-zero `weight_decay`). None (default):
+      `learning_rate`, which must then be a float (a schedule raises `ValueError`).
+    - `allow_non_unit_scaling_params`: keyword-only; False (default): a parameter
+      that no module's `mup_kinds` names raises `ValueError`; True: its multiplier
+      is 1.0.
+
     ```python
     import equinox as eqx
     import jax
@@ -254,6 +289,17 @@ def sgd(
     Momentum as `optax.sgd`; weight decay decoupled (applied after momentum, not
     added to the gradient) and independent of the learning rate by default, as in
     `adamw`.
+
+    **Arguments:**
+
+    - `learning_rate`: the base learning rate, a float or an optax schedule of the
+      step, multiplied per parameter by `lr_scale_sgd(c)`.
+    - `momentum`: the momentum decay (`optax.trace`'s `decay`); None (default):
+      plain SGD.
+    - `nesterov`: with `momentum`, use Nesterov momentum (default False).
+    - `weight_decay`: the decoupled weight decay coefficient; 0.0 (default): none.
+    - `model`, `independent_weight_decay`, `peak_learning_rate`,
+      `allow_non_unit_scaling_params`: keyword-only, as `adamw` takes them.
 
     ```python
     import equinox as eqx

@@ -92,6 +92,16 @@ def residual_apply(
     residual gradient stays a plain sum (on XLA:CPU a factor per layer on the
     stream makes a transformer step 20% slower; `TransformerDecoder` uses this).
 
+    **Arguments:**
+
+    - `fn`: the residual branch, `fn(h)` of an array `h` of `x`'s shape, returning
+      one of that shape.
+    - `x`: the layer's input, the residual stream (times `stream_scale` if given).
+    - `tau`: the branch's weight against the skip (default 1.0).
+    - `stream_scale`: keyword-only; None (default) for a unit-scaled stream, else
+      the stream's factor `c` over the unit-scaled one (above; `ValueError` unless
+      `c > 0`).
+
     ```python
     import jax
     import jax.numpy as jnp
@@ -154,6 +164,14 @@ def transformer_residual_scaling_rule(
     (embedding, attention, MLP) has the same variance, and
     `tau = 1 / sqrt(layers + index)` for `branches = 2 * layers`. (Appendix G of
     the u-μP paper.)
+
+    **Arguments:**
+
+    - `residual_mult`: the weight of all branches against the embedding (default
+      1.0): together they contribute `2 * residual_mult**2` times the embedding's
+      variance.
+    - `residual_attn_ratio`: `alpha_attn / alpha_mlp`, the weight of each attention
+      branch against each MLP branch (default 1.0).
 
     ```python
     import lowtrain.unit_scaling as uu

@@ -16,6 +16,12 @@ def _as(s, x):
 def scale_fwd(x: Array, s: ArrayLike) -> Array:
     """`x * s` in the forward pass; the gradient passes through unchanged.
 
+    **Arguments:**
+
+    - `x`: the array to scale.
+    - `s`: the scale, a float or an array that broadcasts against `x`, converted to
+      `x`'s dtype; its gradient is zero.
+
     ```python
     import jax
     import jax.numpy as jnp

@@ -59,6 +59,16 @@ def fp8_cast_op(
     (`lowtrain.fp8.quantize`, its draws a hash of each value and its index, so the
     step is deterministic), as unit-scaling's FP8 simulation does by default.
 
+    **Arguments:**
+
+    - `op`: the bilinear function, `op(lhs, rhs)`: a `lowtrain.rewrite` rule's `op`
+      (a `dot_general` or `conv_general_dilated` of the program, with its params)
+      or any function such as `jnp.matmul`.
+    - `lhs`: the left operand, a float array, cast to E4M3.
+    - `rhs`: the right operand, a float array, cast to E4M3.
+    - `rounding`: keyword-only; "nearest" (default) or "stochastic"; another
+      raises `ValueError`.
+
     ```python
     import jax.numpy as jnp
     from lowtrain.unit_scaling import fp8_cast_op
@@ -122,6 +132,15 @@ def fp8_weight_cast_op(
     below 1). Not for convolutions, whose kernels have rank 3 or more: see
     `fp8_cast_rules`. (A product kept runs as `lowtrain.fp8`'s `keep_op`: as
     written, with the casts it would get named for a numerics report.)
+
+    **Arguments:**
+
+    - `op`: the `dot_general` (or any bilinear function such as `jnp.matmul`),
+      `op(lhs, rhs)`.
+    - `lhs`: the left operand, a float array.
+    - `rhs`: the right operand, a float array.
+    - `rounding`: keyword-only; the casts' rounding, "nearest" (default) or
+      "stochastic", as `fp8_cast_op`'s (unused for a product kept).
 
     ```python
     import jax.numpy as jnp
@@ -274,9 +293,10 @@ class _Kept:
 
 
 def parse_keep(entry: str) -> tuple[str, tuple[int, ...] | None]:
-    """A `keep` entry as `(scope, rhs shape or None)`: `"projection"` ->
-    `("projection", None)`, `"...i,io->...o@128x384"` -> `("...i,io->...o", (128,
-    384))`.
+    """`entry`, a `keep` entry (a string), as `(scope, rhs shape or None)`:
+    `"projection"` -> `("projection", None)`, `"...i,io->...o@128x384"` ->
+    `("...i,io->...o", (128, 384))`. A non-string raises `TypeError`, a malformed
+    shape after `@` `ValueError`.
 
     ```python
     import lowtrain.unit_scaling as uu

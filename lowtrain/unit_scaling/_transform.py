@@ -374,6 +374,17 @@ class _UnitScale(eqx.Module):
 def unit_scale(fn: Callable, *, constraint=_constraints.gmean) -> Callable:
     """`fn` unit-scaled: the one-line transform (see the module docstring).
 
+    Returns an `eqx.Module` wrapping `fn` (its `__wrapped__`), called as `fn` is.
+
+    **Arguments:**
+
+    - `fn`: the function or callable module to transform, traced with the
+      arguments of each call (a non-callable raises `TypeError`).
+    - `constraint`: keyword-only; in the residual part of the network, ties each
+      matmul's output scale to its activation operands' gradient scales, and each
+      nonlinearity's forward scale to its backward one (default `gmean`; a
+      function of `lowtrain.unit_scaling.constraints`); None leaves them apart.
+
     ```python
     import jax
     import jax.numpy as jnp

@@ -201,7 +201,23 @@ class TransformerLayer(eqx.Module):
     itself (the pre-norms make the branches blind to it). Same model, same branch
     gradients; the residual gradient of a deep stack stays a plain sum, which
     XLA fuses better. `None` (the default): unit-scaled in and out.
-    `fold_mlp_scales` is the MLP's `fold_scales` (`False` for float16).
+
+    **Arguments:**
+
+    - `hidden_size`: the width, the last axis of `x`.
+    - `heads`: the number of attention heads; it must divide `hidden_size`.
+    - `mhsa_tau`: keyword-only; the attention branch's `tau` (default 1.0).
+    - `mlp_tau`: keyword-only; the MLP branch's `tau` (default 1.0).
+    - `is_causal`: keyword-only; whether the attention is causal (default False).
+    - `dropout_p`: keyword-only; the dropout probability after each branch, in
+      [0, 1); 0.0 (default): no dropout.
+    - `stream_scale`: keyword-only; the input stream's factor `c > 0` (above), or
+      None (default).
+    - `inference`: keyword-only; True makes dropout its inference form (a
+      `sqrt(1 - dropout_p)` scale, no `key`); default False.
+    - `fold_mlp_scales`: keyword-only; the MLP's `fold_scales` (default True;
+      False for float16).
+    - `key`: keyword-only; the PRNG key of the initialization.
 
     ```python
     import jax
@@ -275,10 +291,11 @@ class TransformerLayer(eqx.Module):
 
 
 class DepthSequential(eqx.Module):
-    """Layers applied in order, `x = layer(x, key=...)`, which the u-μP optimizers
-    count as depth: every parameter inside gets its learning rate multiplied by
-    `len(layers) ** -0.5` (depth-μP). Each layer takes `(x, *, key)`; `key`, if
-    given, is split between them.
+    """`layers` (a sequence of callables, kept as a tuple) applied in order,
+    `x = layer(x, key=...)`, which the u-μP optimizers count as depth: every
+    parameter inside gets its learning rate multiplied by `len(layers) ** -0.5`
+    (depth-μP). Each layer takes `(x, *, key)`; `key`, if given, is split between
+    them.
 
     ```python
     import jax
@@ -325,6 +342,21 @@ class TransformerDecoder(eqx.Module):
     Call it on a whole batch of integer tokens `(..., seq)`, not under `jax.vmap`;
     it returns logits `(..., seq, vocab_size)`. `loss(tokens)` is the mean
     next-token `U.cross_entropy`.
+
+    **Arguments:**
+
+    - `hidden_size`: the width of the residual stream.
+    - `vocab_size`: the number of token ids, the logits' last axis.
+    - `layers`: the number of `TransformerLayer`s.
+    - `heads`: the attention heads of each layer; it must divide `hidden_size`.
+    - `dropout_p`: keyword-only; each layer's dropout probability (default 0.0:
+      none).
+    - `residual_scaling`: keyword-only; `tau(index, branches) -> float`, the weight
+      of each residual branch; None (default):
+      `transformer_residual_scaling_rule()`.
+    - `fold_mlp_scales`: keyword-only; the MLPs' `fold_scales` (default True;
+      False for float16).
+    - `key`: keyword-only; the PRNG key of the initialization.
 
     ```python
     import jax
@@ -393,6 +425,13 @@ class TransformerDecoder(eqx.Module):
         self, tokens: Int[Array, "... seq"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, ""]:
         """The mean cross-entropy of predicting `tokens[..., 1:]` from the logits at
-        the positions before them (`U.cross_entropy`: unit-scaled gradient)."""
+        the positions before them (`U.cross_entropy`: unit-scaled gradient).
+
+        **Arguments:**
+
+        - `tokens`: the integer token ids, shape `(..., seq)`.
+        - `key`: keyword-only; the PRNG key of dropout, split between the layers;
+          needed only with `dropout_p > 0` outside inference mode.
+        """
         logits = self(tokens, key=key)
         return cross_entropy(logits[..., :-1, :], tokens[..., 1:])

@@ -80,6 +80,11 @@ def to_output_scale(output_scale: float, *grad_input_scales: float) -> float:
 def to_grad_input_scale(output_scale: float, grad_input_scale: float) -> float:
     """`grad_input_scale`: unit input gradients, outputs off by the ratio.
 
+    **Arguments:**
+
+    - `output_scale`: the op's ideal output scale (not used).
+    - `grad_input_scale`: its input's ideal gradient scale, returned.
+
     ```python
     import lowtrain.unit_scaling as uu
 
@@ -93,6 +98,12 @@ def to_left_grad_scale(
     output_scale: float, left_grad_scale: float, right_grad_scale: float
 ) -> float:
     """`left_grad_scale`, for ops with two inputs `(left, right)`.
+
+    **Arguments:**
+
+    - `output_scale`: the op's ideal output scale (not used).
+    - `left_grad_scale`: the left input's ideal gradient scale, returned.
+    - `right_grad_scale`: the right input's ideal gradient scale (not used).
 
     ```python
     import lowtrain.unit_scaling as uu
@@ -108,6 +119,12 @@ def to_right_grad_scale(
 ) -> float:
     """`right_grad_scale`, for ops with two inputs `(left, right)`.
 
+    **Arguments:**
+
+    - `output_scale`: the op's ideal output scale (not used).
+    - `left_grad_scale`: the left input's ideal gradient scale (not used).
+    - `right_grad_scale`: the right input's ideal gradient scale, returned.
+
     ```python
     import lowtrain.unit_scaling as uu
 
@@ -122,6 +139,13 @@ def apply(
 ) -> tuple[float, ...]:
     """`(output_scale, *grad_scales)` after `constraint`: every scale replaced by the
     constrained one, or all unchanged for `None`.
+
+    **Arguments:**
+
+    - `constraint`: a function of the scales returning the one they all take
+      (`gmean`, ..., or your own), or None; anything else raises `TypeError`.
+    - `output_scale`: the op's ideal output scale (for a unit-RMS output).
+    - `*grad_scales`: the ideal gradient scales of its inputs, in order.
 
     ```python
     import lowtrain.unit_scaling as uu
