@@ -8,6 +8,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ._context import trace_key
 from ._eqn import Eqn, is_float
 from ._interpret import FlatCall, Interpreter, write_back
 from ._scopes import match_scope
@@ -57,7 +58,7 @@ class _RewriteInterpreter(Interpreter):
 
 
 @eqx.filter_jit
-def _rewrite_call(fn, rules, scopes, args, kwargs):
+def _rewrite_call(fn, rules, scopes, args, kwargs, settings=()):
     call = FlatCall(fn, args, kwargs)
     closed = jax.make_jaxpr(call)(*call.inputs)
     out = call.rebuild(
@@ -78,7 +79,9 @@ class _Rewrite(eqx.Module):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        out, updates = _rewrite_call(self.fn, self.rules, self.scopes, args, kwargs)
+        out, updates = _rewrite_call(
+            self.fn, self.rules, self.scopes, args, kwargs, trace_key()
+        )
         # Flax NNX state the call changed in place, set on the caller's objects.
         write_back((self.fn, args, kwargs), updates)
         return out

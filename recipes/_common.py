@@ -112,6 +112,7 @@ def trainer_options(config: Config) -> dict[str, Any]:
         "precision": hydra.utils.instantiate(fields),
         "redo_on_nan": t.redo_on_nan,
         "sharding": t.sharding,
+        "remat": t.remat,
         "grad_accum": t.grad_accum,
         "numerics_every": t.numerics_every,
         "max_consecutive_skips": t.max_consecutive_skips,

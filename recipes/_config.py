@@ -209,6 +209,8 @@ class TrainerConfig:
     # for `diverge_patience` steps in a row (null: never).
     diverge_factor: float | None = 10000.0
     diverge_patience: int = 20
+    # What a block's backward pass recomputes: "none", "dots", "full" (`Trainer`).
+    remat: str = "none"
     sharding: str = "replicated"  # or "fsdp": parameters, optimizer state split
     grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
     numerics_every: int | None = None  # steps between numerics reports (None: off)
@@ -249,6 +251,11 @@ class TrainerConfig:
             raise ValueError(
                 "Expected `trainer.sharding` 'replicated' or 'fsdp', got "
                 f"{self.sharding!r} instead."
+            )
+        if self.remat not in ("none", "dots", "full"):
+            raise ValueError(
+                "Expected `trainer.remat` none, dots or full, got "
+                f"{self.remat!r} instead."
             )
         for name in ("seed", "prefetch", "redo_on_nan"):
             _at_least(getattr(self, name), 0, f"trainer.{name}")

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 import lowtrain
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
+from lowtrain.train import gather_layer, remat_layer
 
 from ._config import (
     Attention,
@@ -183,7 +184,10 @@ class GPT(eqx.Module):
         inside the model (`cross_entropy`: under `amp` the logits stay in the
         compute dtype), as `model.cross_entropy=lean`'s Trainer calls it."""
         b, t = tokens.shape
-        x = self.wte[tokens] + jnp.broadcast_to(self.wpe[:t], (b, t, self.wpe.shape[1]))
+        # Under FSDP, the arrays outside the blocks gathered here, each block's
+        # where it runs (`gather_layer`): one block whole at a time.
+        wte, wpe, ln_f = gather_layer((self.wte, self.wpe, self.ln_f))
+        x = wte[tokens] + jnp.broadcast_to(wpe[:t], (b, t, wpe.shape[1]))
         params, static = eqx.partition(self.blocks, eqx.is_array)
         n_layer = jax.tree.leaves(params)[0].shape[0]
         if key is None or self.dropout == 0:  # no keys traced: the step without it
@@ -194,16 +198,23 @@ class GPT(eqx.Module):
             layer_keys = jax.random.split(key, n_layer)
         if self.scan_layers:
             x, _ = lax.scan(
-                lambda x, pk: (eqx.combine(pk[0], static)(x, key=pk[1]), None),
+                remat_layer(
+                    lambda x, pk: (
+                        eqx.combine(gather_layer(pk[0]), static)(x, key=pk[1]),
+                        None,
+                    )
+                ),
                 x,
                 (params, layer_keys),
             )
         else:  # unrolled: each block traced and compiled on its own
+            block = remat_layer(
+                lambda p, x, k: eqx.combine(gather_layer(p), static)(x, key=k)
+            )
             for i in range(n_layer):
                 layer = jax.tree.map(operator.itemgetter(i), params)
-                k = None if layer_keys is None else layer_keys[i]
-                x = eqx.combine(layer, static)(x, key=k)
-        logits = jnp.einsum("btc,vc->btv", self.ln_f(x), self.wte)  # (B, T, V)
+                x = block(layer, x, None if layer_keys is None else layer_keys[i])
+        logits = jnp.einsum("btc,vc->btv", ln_f(x), wte)  # (B, T, V)
         return logits if targets is None else cross_entropy(logits, targets)
 
 

@@ -102,6 +102,7 @@ from benchlib import (
     benchtable,
     gemm,
     launch,
+    memory,
     numerics_step,
     overhead,
     report,
@@ -323,6 +324,7 @@ def step_main(argv=None) -> None:
 COMMANDS = {
     "gemm": gemm,
     "launch": launch,
+    "memory": memory,
     "vmap": vmap_cost,
     "amp": amp_hand,
     "scalify": scalify_step,

@@ -13,7 +13,10 @@ Cases: `gpt_fp32`, `gpt_bf16`, `gpt_fp8` (the recipes' GPT: 2 layers, 4 heads,
 width 64, context 16, vocabulary 64, its blocks under `lax.scan`, under that AMP
 policy), `gpt_scalify` (`Scalify("p=f32,c=f16")`), `gpt_unit` (the unit-scaled
 `uu.TransformerDecoder`, bf16), `delayed_fp8` (two `fp8.Fp8Linear(delayed=True)`
-layers, width 128). Batch 32, `optax.adam(3e-3)`. Prints a table, then one JSON line
+layers, width 128), `gpt_wide_bf16` (the GPT at 8 layers, width 512, context 64,
+vocabulary 256, bf16, `remat="dots"`: under FSDP a layer gathered at a time;
+AdamW warming up to 1e-3 over 100 steps, as the recipes train it). Batch 32,
+`optax.adam(3e-3)` but for that one. Prints a table, then one JSON line
 (`tests/test_sharding.py` reads it).
 """
 
@@ -56,8 +59,20 @@ def regression_batch(step: int) -> dict:
     return {"x": x, "y": np.tanh(x[:, ::-1] * 2.0)}
 
 
+def wide_batch(step: int) -> dict:
+    """`gpt_wide_bf16`'s batch: 32 x 64 tokens of 256, as `gpt_batch` makes them."""
+    rng = np.random.default_rng(step)
+    data = rng.integers(0, 256, (BATCH, 65), dtype=np.int32)
+    data[:, 1::2] = (data[:, ::2][:, : data[:, 1::2].shape[1]] + 1) % 256
+    return {"x": data[:, :-1], "y": data[:, 1:]}
+
+
 def build(case: str, key):
     """(Trainer class, model, trainer keyword arguments, data) of one case."""
+    if case == "gpt_wide_bf16":  # 8 layers of width 512: one gathered at a time
+        model = GPT(GPTConfig(8, 8, 512, 64, True), 256, key=key)
+        options = {"precision": "bf16", "remat": "dots"}
+        return GptTrainer, model, options, wide_batch
     if case == "delayed_fp8":
         k1, k2 = jax.random.split(key)
         model = eqx.nn.Sequential(
@@ -96,7 +111,10 @@ def device_bytes(tree) -> tuple[int, int, int]:
 
 def run(case: str, sharding: str, steps: int) -> dict:
     cls, model, options, data = build(case, jax.random.key(0))
-    trainer = cls(model, optax.adam(3e-3), sharding=sharding, **options)
+    # The wide GPT with the recipes' optimizer: AdamW, the learning rate warming up.
+    warmup = optax.adamw(optax.linear_schedule(0.0, 1e-3, 100), weight_decay=0.1)
+    optimizer = warmup if case == "gpt_wide_bf16" else optax.adam(3e-3)
+    trainer = cls(model, optimizer, sharding=sharding, **options)
     state = trainer.init(key=jax.random.key(1))
     most, total, sharded = device_bytes((state.model, state.opt_state))
     losses = []

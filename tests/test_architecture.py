@@ -41,6 +41,7 @@ LAYERS = {
     "lowtrain._checkout": 0,
     "lowtrain._attention": 0,
     "lowtrain._devices": 0,
+    "lowtrain._context": 0,
     "lowtrain.fp8": 1,
     "lowtrain._amp": 1,
     "lowtrain.scalify": 1,

@@ -14,6 +14,7 @@ import numpy as np
 from .. import fp8
 from .._attention import attention_config, dot_product_attention
 from .._compat import COMBINER_PRIMITIVES, current_vmap, custom_vmap_p
+from .._context import trace_key
 from .._interpret import (
     SCATTERS,
     Eqn,
@@ -272,7 +273,7 @@ def _cast_floats(leaves, dtype):
 
 
 @eqx.filter_jit
-def _amp_call(fn, policy: Policy, args, kwargs):
+def _amp_call(fn, policy: Policy, args, kwargs, settings=()):
     # Traced once per input structure (filter_jit's cache): the program is traced at the
     # dtypes it was written for, then re-interpreted under the policy.
     # Inputs enter as they are: each op casts what it uses (`_AmpInterpreter.rule`),
@@ -345,7 +346,7 @@ def _call(fn, policy: Policy, args, kwargs):
         out = _batched_call(frame, fn, policy, args, kwargs)
         if out is not None:
             return out
-    out, updates = _amp_call(fn, policy, args, kwargs)
+    out, updates = _amp_call(fn, policy, args, kwargs, trace_key())
     # What the call changed in place (an NNX BatchNorm's statistics, a dropout RNG
     # stream) is set on the caller's objects, as the call without `amp` sets it.
     write_back((fn, args, kwargs), updates)

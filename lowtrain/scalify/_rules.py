@@ -192,7 +192,7 @@ def _cumsum(ctx, eqn, a):
 
 _SAME_SCALE = (
     "neg reduce_max reduce_min cummax cummin reshape transpose broadcast_in_dim "
-    "squeeze slice rev copy stop_gradient reduce_precision sharding_constraint "
+    "squeeze slice rev copy stop_gradient reduce_precision sharding_constraint name "
     "reduce_window_max reduce_window_min"
 ).split()
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._attention import xla_only
+from .._context import trace_key
 from .._eqn import Eqn, Values
 from .._interpret import FlatCall, Interpreter
 from . import _ops  # noqa: F401  (registers the rule of the scalify_op primitive)
@@ -152,7 +153,7 @@ def _abstract(x):
 
 
 @eqx.filter_jit
-def _scalify_call(fn, pow2, auto_rescale, args, kwargs):
+def _scalify_call(fn, pow2, auto_rescale, args, kwargs, settings=()):
     call = FlatCall(fn, args, kwargs, is_leaf=is_scaled)
     with xla_only():  # attention as XLA's ops, which have scale rules, on any device
         closed = jax.make_jaxpr(call)(*map(_abstract, call.inputs))
@@ -170,7 +171,9 @@ class _Scalify(eqx.Module):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        return _scalify_call(self.fn, self.pow2, self.auto_rescale, args, kwargs)
+        return _scalify_call(
+            self.fn, self.pow2, self.auto_rescale, args, kwargs, trace_key()
+        )
 
 
 def scalify(fn: Callable, *, pow2: str = "down", auto_rescale: bool = True) -> Callable:

@@ -21,6 +21,8 @@ from ._data import from_iterable as from_iterable
 from ._finite import apply_if_finite as apply_if_finite
 from ._hooks import StepInfo as StepInfo
 from ._jit import async_filter_jit as async_filter_jit
+from ._layer import gather_layer as gather_layer
+from ._layer import remat_layer as remat_layer
 from ._lock import RunFolderLocked as RunFolderLocked
 from ._lock import RunLock as RunLock
 from ._loggers import CSVLogger as CSVLogger

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._loss_scale import AbstractLossScale, redo_while_nonfinite, scaled_value_and_grad
+from ._layer import in_step
 from ._placement import constrain_state
 from ._protocol import Precision
 
@@ -68,6 +69,8 @@ def accumulated_value_and_grad(
     redo_on_nan: int,
     mesh: Mesh,
     sharding: str,
+    remat: str = "none",
+    layered: bool = True,
 ) -> Callable:
     """The Trainer's gradient of `fn(model, batch, *, key) -> (loss, aux)`, over
     `grad_accum` micro-batches; returns `g`, called as
@@ -92,15 +95,27 @@ def accumulated_value_and_grad(
     """
     single = scaled_value_and_grad(fn, has_aux=True, redo_on_nan=redo_on_nan)
     micro = scaled_value_and_grad(fn, has_aux=True)
-    # FSDP: the parameters are gathered (all-gather) before use, so the forward and
-    # backward compute exactly what replicated data parallelism computes, and the
-    # gradients leave reduce-scattered (`constrain_state` on what depends on them).
-    gather = lambda model: constrain_state(mesh, "replicated", model)
+    # FSDP: the parameters are gathered (all-gather) before they are used, so the
+    # forward and backward compute what replicated data parallelism computes, and
+    # the gradients leave reduce-scattered (`constrain_state` on what depends on
+    # them): a layer at a time where the model calls `gather_layer` (found by
+    # tracing the loss once on shapes; not for `layered=False`), else all at once.
+    where = mesh if sharding == "fsdp" else None
+
+    def gather(model, batch, key):
+        if where is not None and layered:
+            with in_step(where, remat) as seen:
+                eqx.filter_eval_shape(lambda m, b: fn(m, b, key=key), model, batch)
+            if seen.called:
+                return model
+        return constrain_state(mesh, "replicated", model)
 
     def one_step(
         ls: AbstractLossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
     ):
-        (value, grads), ls, finite = single(ls, gather(model), batch, key=key)
+        model = gather(model, batch, key)
+        with in_step(where, remat):
+            (value, grads), ls, finite = single(ls, model, batch, key=key)
         grads, extra = precision.split_gradients(grads)
         return (value, grads, extra), ls, finite
 
@@ -130,8 +145,11 @@ def accumulated_value_and_grad(
     def accumulated(
         ls: AbstractLossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
     ) -> tuple[tuple, AbstractLossScale, Bool[Array, ""]]:
-        run = lambda ls: attempt(ls, gather(model), batch, key)
-        ls, value, grads, extra, finite = redo_while_nonfinite(run, ls, redo_on_nan)
+        part = jax.tree.map(lambda x: x[0], micro_batches(batch, grad_accum, mesh.size))
+        gathered = gather(model, part, key)
+        run = lambda ls: attempt(ls, gathered, batch, key)
+        with in_step(where, remat):
+            ls, value, grads, extra, finite = redo_while_nonfinite(run, ls, redo_on_nan)
         return (value, grads, extra), ls.adjust(finite), finite
 
     return one_step if grad_accum == 1 else accumulated

@@ -14,6 +14,7 @@ from jaxtyping import Array, PyTree
 
 from .. import fp8
 from .._amp import Policy, get_policy
+from .._loss_scale import AbstractLossScale, NoOpLossScale
 from ..scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
 from ..unit_scaling import MATMULS, fp8_cast_rules, keep_scopes
 from ._precisions import Amp, DelayedFp8, Rewrite, Scalify
@@ -229,3 +230,16 @@ def resolve(precision) -> Precision:
         "a list of them, or a name such as 'bf16' or 'fp8_delayed', got "
         f"{type(precision).__name__} instead."
     )
+
+
+def resolve_loss_scale(precision: Precision, loss_scale) -> AbstractLossScale:
+    """The Trainer's loss scale: `loss_scale`, or the precision's default
+    (`NoOpLossScale()` where it has none)."""
+    if loss_scale is None:
+        loss_scale = precision.default_loss_scale() or NoOpLossScale()
+    if not isinstance(loss_scale, AbstractLossScale):
+        raise TypeError(
+            "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
+            f"{type(loss_scale).__name__} instead."
+        )
+    return loss_scale

@@ -256,19 +256,6 @@ class UnitScale(Precision):
         return unit_scale(model, constraint=self.constraint)
 
 
-def resolve_loss_scale(precision: Precision, loss_scale) -> AbstractLossScale:
-    """The Trainer's loss scale: `loss_scale`, or the precision's default
-    (`NoOpLossScale()` where it has none)."""
-    if loss_scale is None:
-        loss_scale = precision.default_loss_scale() or NoOpLossScale()
-    if not isinstance(loss_scale, AbstractLossScale):
-        raise TypeError(
-            "Expected a loss scale such as `lowtrain.DynamicLossScale()`, got "
-            f"{type(loss_scale).__name__} instead."
-        )
-    return loss_scale
-
-
 def check_stored_alike(precision: Precision, state, expected) -> None:
     """That `state` has the structure, shapes and dtypes of `expected` (the
     abstract state `precision` stores), for `Trainer.use_precision`."""

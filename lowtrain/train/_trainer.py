@@ -24,13 +24,14 @@ from ._finite import skip_nonfinite
 from ._health import DivergenceCheck
 from ._hooks import Hook, StepInfo, positive_int
 from ._jit import async_filter_jit
+from ._layer import check_remat
 from ._loop import FitRun, schedule_fit
 from ._metrics import mean_metrics
-from ._named import resolve
+from ._named import resolve, resolve_loss_scale
 from ._nnx import has_inplace_state, read_inplace_state
 from ._numerics import NumericsRecorder
 from ._placement import constrain_state, data_mesh, eval_batch, put_state, shard_batch
-from ._precisions import check_stored_alike, resolve_loss_scale
+from ._precisions import check_stored_alike
 from ._preemption import DEFAULT_STOP_SIGNALS
 from ._protocol import Precision
 from ._state import TrainState, check_model_state
@@ -80,7 +81,13 @@ class Trainer:
       every process): each batch is split along its leading axis, which must divide
       by their number, and the gradients averaged by XLA.
     - `sharding`: "replicated" (default) or "fsdp": parameters and optimizer state
-      split over "data" (`lowtrain.train.array_spec`), gathered where used.
+      split over "data" (`lowtrain.train.array_spec`), gathered where used: a
+      layer at a time where the model calls `lowtrain.train.gather_layer`, else
+      the whole model before the loss.
+    - `remat`: what the backward pass of a layer under
+      `lowtrain.train.remat_layer` recomputes instead of saving: "none" (the
+      default), "dots" (all but the matmuls' outputs) or "full" (all but the
+      layer's inputs).
     - `grad_accum`: the gradients of that many micro-batches of each batch averaged
       in one step (a `lax.scan`); default 1.
     - `numerics_every`: `fit` records the casts' numerics every that many steps
@@ -135,6 +142,7 @@ class Trainer:
         learning_rate: Callable[[Any], Any] | float | None = None,
         devices: Sequence[jax.Device] | None = None,
         sharding: str = "replicated",
+        remat: str = "none",
         grad_accum: int = 1,
         numerics_every: int | None = None,
         max_consecutive_skips: int | None = 20,
@@ -161,6 +169,7 @@ class Trainer:
         self._divergence = DivergenceCheck(diverge_factor, diverge_patience)
         self.learning_rate = learning_rate
         self.devices, self.mesh, self.sharding = data_mesh(devices, sharding)
+        self.remat = check_remat(remat)
         self.optimizer = skip_nonfinite(optimizer, self.devices)
         self.hooks: list[Hook] = []
         self.numerics = NumericsRecorder(numerics_every)
@@ -320,6 +329,9 @@ class Trainer:
             redo_on_nan=self.redo_on_nan,
             mesh=self.mesh,
             sharding=self.sharding,
+            remat=self.remat,
+            # A Flax NNX model changes in place: not traced twice.
+            layered=not self._inplace,
         )
         key = jax.random.fold_in(state.key, state.step)
         batch = self.precision.inputs(batch)

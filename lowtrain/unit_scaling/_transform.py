@@ -37,6 +37,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._context import trace_key
 from .._eqn import Eqn, is_float
 from .._interpret import FlatCall, Interpreter, write_back
 from . import constraints as _constraints
@@ -346,7 +347,7 @@ class _Inline(Interpreter):
 
 
 @eqx.filter_jit
-def _unit_scale_call(fn, constraint, args, kwargs):
+def _unit_scale_call(fn, constraint, args, kwargs, settings=()):
     call = FlatCall(fn, args, kwargs)
     closed = jax.make_jaxpr(call)(*call.inputs)
     flat = jax.make_jaxpr(lambda *xs: _Inline().eval_jaxpr(closed, list(xs)))(
@@ -365,7 +366,9 @@ class _UnitScale(eqx.Module):
         return self.fn
 
     def __call__(self, *args, **kwargs):
-        out, updates = _unit_scale_call(self.fn, self.constraint, args, kwargs)
+        out, updates = _unit_scale_call(
+            self.fn, self.constraint, args, kwargs, trace_key()
+        )
         # Flax NNX state the call changed in place, set on the caller's objects.
         write_back((self.fn, args, kwargs), updates)
         return out
