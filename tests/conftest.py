@@ -54,6 +54,7 @@ MEASURED_SLOW = {
         "test_scan_stack[eager-fp16]",
     ],
     "tests/test_amp_equinox.py": [
+        "test_vmap_of_amp_is_the_batched_program[bf16]",
         "test_collectives_over_the_vmap_axis_forward_and_backward[fp32]",
         "test_gru_in_scan_the_equinox_way[bf16]",
         "test_gru_in_scan_the_equinox_way[fp16]",
@@ -65,6 +66,7 @@ MEASURED_SLOW = {
         "test_vmap_of_amp_nested_and_under_vmap_of_grad",
     ],
     "tests/test_amp_flax.py": [
+        "test_nnx_module_under_amp[fp16]",
         "test_linen_with_batch_stats_and_dropout[bf16]",
         "test_linen_with_batch_stats_and_dropout[fp16]",
         "test_linen_with_batch_stats_and_dropout[fp8]",
@@ -133,6 +135,8 @@ MEASURED_SLOW = {
         "test_documented_script_commands_parse",
     ],
     "tests/test_docs.py": [
+        "test_page_examples_run[docs/guides/numerics.md]",
+        "test_page_examples_run[docs/guides/loggers.md]",
         "test_page_examples_run[docs/architecture.md]",
         "test_page_examples_run[docs/guides/amp.md]",
         "test_page_examples_run[docs/guides/equinox_flax.md]",
@@ -159,6 +163,9 @@ MEASURED_SLOW = {
         "test_site_builds_strict",
     ],
     "tests/test_faults.py": [
+        "test_a_runtime_user_error_is_one_line_exit_2_and_no_run_dir[checkpoint]",
+        "test_a_full_disk_is_one_sentence_and_leaves_no_partial_save[False]",
+        "test_a_mistyped_key_or_option_names_the_close_valid_ones[trainer.stepz=5-`trainer.steps`]",
         "test_a_runtime_user_error_is_one_line_exit_2_and_no_run_dir[data_path]",
         "test_a_config_error_is_one_line_exit_2_and_no_run_dir",
         "test_a_diverged_fp16_run_exits_non_zero",
@@ -177,6 +184,7 @@ MEASURED_SLOW = {
         "test_one_device_other_than_the_default_trains_there",
     ],
     "tests/test_fp8.py": [
+        "test_under_checkpoint_the_saved_fp8_operands_keep_their_values[True]",
         "test_f8_dot_and_its_transposes_are_dot_generals[3]",
         "test_amp_fp8_every_dot_is_fp8[eager-gpt]",
         "test_amp_fp8_every_dot_is_fp8[eager-mlp]",
@@ -201,15 +209,18 @@ MEASURED_SLOW = {
         "test_delayed_linears_swap_every_linear_with_a_history_per_layer",
     ],
     "tests/test_fp8_rounding.py": [
+        "test_stochastic_rounding_is_unbiased_in_expectation[dtype1]",
         "test_keyless_stochastic_rounding_hashes_each_value_and_its_index",
         "test_stochastic_rounding_is_unbiased_in_expectation[dtype0]",
     ],
     "tests/test_fp8_static.py": [
+        "test_static_scale_is_the_plain_cast[f8_dot]",
         "test_simulate_fp8_under_amp_is_the_plain_cast_program",
         "test_static_scale_is_the_plain_cast[dequantized]",
         "test_weights_are_cast_to_fp8_once_per_step_under_grad_accum[gpt_fp8]",
     ],
     "tests/test_loss_scale.py": [
+        "test_matches_filter_value_and_grad[jit]",
         "test_matches_filter_value_and_grad[eager]",
     ],
     "tests/test_numerics.py": [
@@ -242,6 +253,7 @@ MEASURED_SLOW = {
         "test_scalify_fp8_mlp_trains",
     ],
     "tests/test_scalify.py": [
+        "test_jax_grad_of_scalify[True]",
         "test_mlp_train_step_under_scalify[fp8]",
         "test_control_flow",
         "test_gpt_train_step_under_scalify[fp8]",
@@ -257,6 +269,7 @@ MEASURED_SLOW = {
         "test_fsdp_and_grad_accum_on_8_devices_match_replicated",
     ],
     "tests/test_stateful.py": [
+        "test_flax_linen_batchnorm_and_dropout_trained_by_the_trainer[fp16]",
         "test_batchnorm_trains_under_every_precision[bf16]",
         "test_amp_composes_with_vmap_axis_name_in_both_orders[vmap_of_amp]",
         "test_batchnorm_trains_under_every_precision[fp16]",

@@ -84,6 +84,8 @@ CASES = {
         [U()],
         BOTH,
     ),
+    # `jax.ad_checkpoint.checkpoint_name` (what `lowtrain.train.gather_layer` names).
+    "name": (lambda a: jax.ad_checkpoint.checkpoint_name(a, "x"), [U()], BOTH),
     "reduce_window_max": (
         lambda a: lax.reduce_window(a, -jnp.inf, lax.max, (2, 2), (1, 1), "VALID"),
         [U()],

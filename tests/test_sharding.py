@@ -176,6 +176,7 @@ def test_fsdp_on_one_device_and_bad_sharding():
         Regression(make_model(), optax.sgd(0.1), remat="everything")
 
 
+@pytest.mark.slow
 def test_remat_recomputes_without_changing_the_step():
     # The recipes' GPT runs its blocks under `remat_layer`: the Trainer's `remat`
     # changes what the backward pass keeps (XLA's temporaries of the compiled
