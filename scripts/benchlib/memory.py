@@ -196,11 +196,15 @@ def measure(model: str, precision: str, layout: str, n: int, extra=()) -> dict:
     compiled = compile_step(trainer, state, batch)
     analysis = compiled.memory_analysis()
     collectives = collective_bytes(compiled.as_text())
-    params = sum(
-        math.prod(x.shape)
-        for x in jax.tree.leaves(
-            eqx.filter(state.model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
-        )
+    arrays = jax.tree.leaves(
+        eqx.filter(state.model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    )
+    params = sum(math.prod(x.shape) for x in arrays)
+    # The bytes of the parameters the layout splits: what gathering them moves.
+    split = sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in arrays
+        if not x.sharding.is_fully_replicated
     )
     return {
         "model": model,
@@ -208,6 +212,7 @@ def measure(model: str, precision: str, layout: str, n: int, extra=()) -> dict:
         "layout": layout,
         "devices": n,
         "parameters": params,
+        "split_parameter_bytes": split,
         "arguments": analysis.argument_size_in_bytes,
         "temporaries": analysis.temp_size_in_bytes,
         "collectives": collectives,
