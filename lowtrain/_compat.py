@@ -321,6 +321,25 @@ def make_value_identity_primitive(name: str, impl, transpose):
     return prim
 
 
+def scaled_dot_quantize(x, mode: str, global_scale=None) -> tuple:
+    """JAX's own block quantizer, the one `jax.nn.scaled_dot_general` applies to
+    each operand: `(elements, scales)` of `x` in blocks along its last axis, which the
+    block must divide. `mode` "mxfp8": E4M3 elements, E8M0 scales rounded up, blocks
+    of 32; "nvfp4": E2M1 elements, E4M3 scales, blocks of 16, `x` first divided by
+    `global_scale` (a float32 array of shape `(1,)`; default 1). What
+    `lowtrain.fp8.block_quantize` is checked against."""
+    # JAX 0.10.2 and the 0.11 line: `jax._src.cudnn.scaled_matmul_stablehlo.quantize
+    # (x, config)`, its config a `BlockScaleConfig` from the public
+    # `jax.nn.get_scaled_dot_general_config(mode, global_scale)`. Imported here, on
+    # use, so that its moving breaks this function (and `tests/test_compat.py`), not
+    # the import of lowtrain.
+    from jax._src.cudnn.scaled_matmul_stablehlo import quantize
+
+    config = jax.nn.get_scaled_dot_general_config(mode, global_scale)
+    with jax.numpy_rank_promotion("allow"):  # it divides by a (1,)-shaped scale
+        return quantize(x, config)
+
+
 def saved_residual_avals(fn, *args) -> list:
     """The types of the residuals `jax.vjp(fn, *args)` saves for the backward pass
     (what `jax.ad_checkpoint.print_saved_residuals` prints), for measuring memory."""

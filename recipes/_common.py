@@ -102,7 +102,8 @@ def resume_differences(saved: dict, current: dict, allow=()) -> list[str]:
 def trainer_options(config: Config) -> dict[str, Any]:
     """`lowtrain.Trainer` keyword arguments from the config: the precision (built
     by the factory `precision._target_` names, from the other `precision` fields;
-    `precision.name` only names the run), `trainer.redo_on_nan`, `trainer.sharding`,
+    `precision.name` only names the run), `trainer.redo_on_nan`, `trainer.mesh`,
+    `trainer.sharding`, `trainer.axis_rules`, `trainer.remat`,
     `trainer.grad_accum`, `trainer.numerics_every` and the checks that stop a run
     (`max_consecutive_skips`, `diverge_factor`, `diverge_patience`)."""
     fields = dataclasses.asdict(config.precision)
@@ -111,7 +112,9 @@ def trainer_options(config: Config) -> dict[str, Any]:
     return {
         "precision": hydra.utils.instantiate(fields),
         "redo_on_nan": t.redo_on_nan,
+        "mesh": t.mesh.sizes(),
         "sharding": t.sharding,
+        "axis_rules": dict(t.axis_rules),
         "remat": t.remat,
         "grad_accum": t.grad_accum,
         "numerics_every": t.numerics_every,
@@ -355,6 +358,7 @@ def build_trainer(
     model, model_state = split_model(task.model(config, key=model_key))
     trainer_class = task.trainer_class(config, model)
     options = trainer_options(config)
+    options["axis_names"] = task.axis_names(config, model)
     if model_state is not None:
         options["model_state"] = model_state
     trainer = trainer_class(

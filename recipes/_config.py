@@ -24,6 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from lowtrain.numerics import FORMATS
+from lowtrain.train import AXIS_RULES
 
 from ._checks import at_least as _at_least
 from ._checks import one_of as _one_of
@@ -175,6 +176,52 @@ class ScalifyPrecisionConfig:
 
 
 @dataclass
+class BlockPrecisionConfig:
+    """The block-scaled precisions (`mxfp8`, `fp8_block`, `nvfp4`): every matmul
+    through `lowtrain.fp8.block_recipe_dot` with the recipe `recipe` names
+    (`lowtrain.train.block_scaled`); each part null keeps the recipe's own."""
+
+    name: str = MISSING
+    _target_: str = "lowtrain.recipes.precisions.block_scaled"
+    recipe: str = "mxfp8"  # a key of `lowtrain.fp8.BLOCK_RECIPES`
+    weight_2d: bool | None = None  # weights in square tiles (16x16, 128x128)
+    hadamard: bool | None = None  # 16x16 random Hadamard on the wgrad GEMM's inputs
+    stochastic: bool | None = None  # gradients rounded stochastically
+    grads: str | None = None  # the gradients' block format, e.g. mxfp8_e5m2
+    # matmuls kept bf16: scope or scope@rhs-shape (`lowtrain.unit_scaling.keep_scopes`)
+    keep: list[str] = field(default_factory=list)
+    min_dim: int = 0  # matmuls with an M, N or K below this stay bf16
+
+    def __post_init__(self):
+        _at_least(self.min_dim, 0, "precision.min_dim")
+
+
+@dataclass
+class MeshConfig:
+    """`trainer.mesh`: the devices as a mesh of named axes (`Trainer(mesh=...)`).
+
+    All of "data" (-1: the devices the others leave) and the rest 1: one axis
+    "data" of every device, as without a mesh.
+    """
+
+    data: int = -1  # the batch split, the state replicated
+    fsdp: int = 1  # the batch split, the state split (`trainer.sharding=fsdp`)
+    tensor: int = 1  # the arrays the model's logical axis names split
+
+    def __post_init__(self):
+        for name in ("fsdp", "tensor"):
+            _positive(getattr(self, name), f"trainer.mesh.{name}")
+        if self.data != -1:
+            _positive(self.data, "trainer.mesh.data")
+
+    def sizes(self) -> dict[str, int] | None:
+        """The Trainer's `mesh`: None for one axis "data"."""
+        if self.fsdp == 1 and self.tensor == 1:
+            return None
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+@dataclass
 class TrainerConfig:
     steps: int | None = None  # train steps; takes precedence over `epochs`
     epochs: int | None = None  # passes over the training set (MNIST)
@@ -211,7 +258,17 @@ class TrainerConfig:
     diverge_patience: int = 20
     # What a block's backward pass recomputes: "none", "dots", "full" (`Trainer`).
     remat: str = "none"
-    sharding: str = "replicated"  # or "fsdp": parameters, optimizer state split
+    # The devices as a mesh with named axes, e.g. trainer.mesh.fsdp=4
+    # trainer.mesh.tensor=2 (`MeshConfig`; by default one axis "data").
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    # "replicated", or "fsdp": parameters, optimizer state split (null: "fsdp" on a
+    # mesh with an "fsdp" axis, else "replicated").
+    sharding: str | None = None
+    # Logical axis name -> mesh axes (`lowtrain.train.AXIS_RULES`), e.g.
+    # trainer.axis_rules.mlp=null to keep the MLP whole under tensor parallelism.
+    axis_rules: dict[str, Any] = field(
+        default_factory=lambda: {k: list(v) for k, v in AXIS_RULES.items()}
+    )
     grad_accum: int = 1  # micro-batches per step; batch_size stays the global batch
     numerics_every: int | None = None  # steps between numerics reports (None: off)
     numerics_format: str = "float8_e4m3fn"  # numerics.png judges in it (fp32: summary)
@@ -247,9 +304,9 @@ class TrainerConfig:
         names = ("batch_size", "eval_batch_size", "log_every", "keep_checkpoints")
         for name in (*names, "grad_accum"):
             _positive(getattr(self, name), f"trainer.{name}")
-        if self.sharding not in ("replicated", "fsdp"):
+        if self.sharding not in (None, "replicated", "fsdp"):
             raise ValueError(
-                "Expected `trainer.sharding` 'replicated' or 'fsdp', got "
+                "Expected `trainer.sharding` 'replicated', 'fsdp' or null, got "
                 f"{self.sharding!r} instead."
             )
         if self.remat not in ("none", "dots", "full"):
@@ -428,8 +485,8 @@ class Config:
     model: Any = MISSING  # MLPConfig, CNNConfig or GPTConfig
     data: Any = MISSING  # MnistDataConfig or TextDataConfig
     optimizer: Any = MISSING  # AdamWConfig or SGDConfig
-    # AmpPrecisionConfig, NaiveFp8PrecisionConfig, DelayedFp8PrecisionConfig or
-    # ScalifyPrecisionConfig
+    # AmpPrecisionConfig, NaiveFp8PrecisionConfig, DelayedFp8PrecisionConfig,
+    # ScalifyPrecisionConfig or BlockPrecisionConfig
     precision: Any = MISSING
     trainer: TrainerConfig = MISSING
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -456,6 +513,7 @@ SCHEMAS = {
     "precision/naive_fp8": NaiveFp8PrecisionConfig,
     "precision/delayed_fp8": DelayedFp8PrecisionConfig,
     "precision/scalify": ScalifyPrecisionConfig,
+    "precision/block": BlockPrecisionConfig,
     "model/mlp": MLPConfig,
     "model/cnn": CNNConfig,
     "model/gpt": GPTConfig,

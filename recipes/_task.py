@@ -137,6 +137,13 @@ class Task:
         dimensions."""
         return jax.tree.map(lambda x: eqx.is_inexact_array(x) and x.ndim >= 2, params)
 
+    def axis_names(self, config: Any, model: Any) -> dict | None:
+        """The logical axis names of `model`'s arrays under `config` (the
+        Trainer's `axis_names`: a regular expression on an array's path -> the
+        names of its last dimensions), which a mesh axis "tensor" needs; default
+        None (the arrays split by shape alone)."""
+        return None
+
     def callbacks(self, config: Any) -> list:
         """Extra `lowtrain.train.Callback`s for the fit under `config`, the run's
         `Config`; default none."""

@@ -22,12 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 import lowtrain
 import lowtrain.unit_scaling as uu
 import lowtrain.unit_scaling.functional as U
-from lowtrain.train import gather_layer, remat_layer
+from lowtrain.train import gather_layer, logical_constraint, remat_layer
 
 from ._config import (
     Attention,
@@ -42,6 +43,21 @@ from ._task import Task, TaskData
 from ._text_data import CharText, Crops, load_text
 
 EVAL_SEED = 1234  # the same validation crops for every run, whatever its seed
+
+# The logical axis names of the GPT's arrays (`Trainer(axis_names=...)`): with a
+# mesh axis "tensor", Megatron's split: the attention's heads and the MLP's hidden
+# units (the first matmul split by its columns, the second by its rows), and the
+# vocabulary of the tied embedding; "embed" is split over the FSDP axis.
+AXIS_NAMES = {
+    r"wte$": ("vocab", "embed"),
+    r"wpe$": (None, "embed"),
+    r"qkv\.kernel$": ("embed", "heads"),
+    r"qkv\.bias$": ("heads",),
+    r"proj\.kernel$": ("heads", "embed"),
+    r"fc\.kernel$": ("embed", "mlp"),
+    r"fc\.bias$": ("mlp",),
+    r"out\.kernel$": ("mlp", "embed"),
+}
 
 
 def _dropout(x: Array, rate: float, key: PRNGKeyArray | None) -> Array:
@@ -129,8 +145,9 @@ class Block(eqx.Module):
     ) -> Float[Array, "B T C"]:
         b, t, c = x.shape
         hs = c // self.n_head
+        heads = ("batch", None, "heads", None)  # each device its heads under TP
         q, k, v = (
-            a.reshape(b, t, self.n_head, hs)  # (B, T, nh, hs)
+            logical_constraint(a.reshape(b, t, self.n_head, hs), heads)  # (B,T,nh,hs)
             for a in jnp.split(self.qkv(x), 3, axis=-1)
         )
         if self.fused:  # one op; no dropout (checked by `GPTConfig`)
@@ -141,6 +158,7 @@ class Block(eqx.Module):
         att = jax.nn.softmax(jnp.where(causal, att, -jnp.inf), axis=-1)  # (B,nh,T,T)
         att = _dropout(att, self.dropout, key)
         y = jnp.einsum("bhqk,bkhd->bqhd", att, v)  # (B, T, nh, hs)
+        y = logical_constraint(y, heads)
         return self.proj(y.reshape(b, t, c))
 
     def __call__(
@@ -148,7 +166,8 @@ class Block(eqx.Module):
     ) -> Float[Array, "B T C"]:
         k_att, k_res1, k_res2 = _split(key if self.dropout else None, 3)
         x = x + _dropout(self.attention(self.ln1(x), k_att), self.dropout, k_res1)
-        h = self.out(jax.nn.gelu(self.fc(self.ln2(x)), approximate=False))
+        h = logical_constraint(self.fc(self.ln2(x)), ("batch", None, "mlp"))
+        h = self.out(jax.nn.gelu(h, approximate=False))
         return x + _dropout(h, self.dropout, k_res2)
 
 
@@ -186,7 +205,8 @@ class GPT(eqx.Module):
         b, t = tokens.shape
         # Under FSDP, the arrays outside the blocks gathered here, each block's
         # where it runs (`gather_layer`): one block whole at a time.
-        wte, wpe, ln_f = gather_layer((self.wte, self.wpe, self.ln_f))
+        outer = gather_layer({"wte": self.wte, "wpe": self.wpe, "ln_f": self.ln_f})
+        wte, wpe, ln_f = outer["wte"], outer["wpe"], outer["ln_f"]
         x = wte[tokens] + jnp.broadcast_to(wpe[:t], (b, t, wpe.shape[1]))
         params, static = eqx.partition(self.blocks, eqx.is_array)
         n_layer = jax.tree.leaves(params)[0].shape[0]
@@ -286,6 +306,15 @@ def generate(model, prompt: np.ndarray, length: int, *, key, temperature=0.8):
     return np.array(out)
 
 
+def _whole_on_one_device(x):
+    if not isinstance(x, jax.Array):
+        return x
+    if x.is_fully_replicated:
+        return x.addressable_data(0)
+    whole = multihost_utils.process_allgather(x, tiled=True)  # a NumPy array
+    return jax.device_put(whole, jax.local_devices()[0])
+
+
 class GptTask(Task):
     """`task=gpt`: next-character prediction on a text (`data=shakespeare` or
     `data=text`), the GPT `model=gpt` or `model=gpt_unit` describes; the headline is
@@ -333,12 +362,18 @@ class GptTask(Task):
     def decay_mask(self, params):
         return decay_mask(params)
 
+    def axis_names(self, config: Config, model) -> dict | None:
+        return AXIS_NAMES if isinstance(model, GPT) else None
+
     def results(self, trainer, state, data: TaskData, config: Config, out) -> dict:
         d, t, m = config.data, config.trainer, config.model
         val_loss = trainer.run_evaluation(state, data.eval)["loss"]
+        # Gathered on every process (a split model's gather is collective),
+        # sampled on the first.
+        whole = self._whole_model(trainer, state.model)
         if jax.process_index() == 0:
             prompt = self.chars.val[: m.block_size]
-            sample = self._generate(trainer, state.model, prompt, 300, 0.8, t.seed)
+            sample = self._generate(whole, prompt, 300, 0.8, t.seed)
             (out / "sample.txt").write_text(sample)
         return {
             "final": {"val_loss": val_loss},
@@ -349,15 +384,17 @@ class GptTask(Task):
             "val_tokens_evaluated": d.eval_batches * t.eval_batch_size * m.block_size,
         }
 
-    def _generate(self, trainer, model, prompt, length, temperature, seed) -> str:
-        # Sampled from the model as the precision exports it (plain values: under
-        # Scalify the weights are ScaledArrays, which only `scalify` runs), on this
-        # process's copy of the replicated model.
+    def _whole_model(self, trainer, model):
+        # The model as the precision exports it (plain values: under Scalify the
+        # weights are ScaledArrays, which only `scalify` runs), whole on this
+        # process's first device (a split array, FSDP's or tensor parallelism's,
+        # gathered from every process: each process must call this).
         exported = trainer.precision.export(model)
-        local = lambda x: x.addressable_data(0) if isinstance(x, jax.Array) else x
-        exported = jax.tree.map(local, exported)
+        return jax.tree.map(_whole_on_one_device, exported)
+
+    def _generate(self, whole, prompt, length, temperature, seed) -> str:
         sample = generate(
-            exported, prompt, length, key=jax.random.key(seed), temperature=temperature
+            whole, prompt, length, key=jax.random.key(seed), temperature=temperature
         )
         return self.chars.decode(prompt) + self.chars.decode(sample)
 
@@ -380,7 +417,7 @@ class GptTask(Task):
         if len(prompt) < m.block_size:  # the context is a full block: pad it
             pad = self.chars.val[: m.block_size - len(prompt)]
             prompt = np.concatenate([pad, prompt])
-        text = self._generate(
-            trainer, model, prompt, s.length, s.temperature, config.trainer.seed
-        )
+        whole = self._whole_model(trainer, model)
+        seed = config.trainer.seed
+        text = self._generate(whole, prompt, s.length, s.temperature, seed)
         return shown + text[m.block_size :]

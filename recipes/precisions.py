@@ -125,6 +125,29 @@ def scalify(policy: str = "p=f32,c=f16", fp8: bool = False) -> Precision:
     return lowtrain.train.scalify_fp8(policy) if fp8 else Scalify(policy)
 
 
+def block_scaled(
+    recipe: str = "mxfp8",
+    weight_2d: bool | None = None,
+    hadamard: bool | None = None,
+    stochastic: bool | None = None,
+    grads: str | None = None,
+    keep: Sequence[str] = (),
+    min_dim: int = 0,
+) -> Precision:
+    """`lowtrain.train.block_scaled(recipe, ...)`: the block-scaled precisions
+    `mxfp8`, `fp8_block` and `nvfp4`, their recipe's parts as fields (None: the
+    recipe's own), what `Trainer(precision=recipe)` builds."""
+    return lowtrain.train.block_scaled(
+        recipe,
+        weight_2d=weight_2d,
+        hadamard=hadamard,
+        stochastic=stochastic,
+        grads=grads,
+        keep=list(keep),
+        min_dim=min_dim,
+    )
+
+
 class DelayedLinear(eqx.Module):
     """`Linear` with its matmul in FP8 under delayed scaling: `x` and `kernel` cast to
     E4M3, the output cotangent to E5M2, each with the scale of its

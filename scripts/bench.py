@@ -60,6 +60,11 @@ Other measurements are commands (`python scripts/bench.py COMMAND --help`):
   (`benchlib/amp_hand.py`);
 - `scalify`, `unit`, `numerics`: the cost of `lowtrain.scalify`, of unit scaling
   and of `lowtrain.numerics.track` against the plain step of the same dtype;
+- `memory`: what the step holds per device on N devices (replicated, FSDP, FSDP x
+  TP), planned on abstract arrays, and the deepest GPT that fits a budget
+  (`benchlib/memory.py`);
+- `remat`: the Trainer's `remat` policies' step time and temporaries
+  (`benchlib/remat_time.py`);
 - `twin-hlo`: what the compiled lowtrain step does that its hand-cast twin does not
   (XLA's fusions and bytes);
 - `saved-bytes`: the bytes each precision's loss saves for the backward pass, by
@@ -105,6 +110,7 @@ from benchlib import (
     memory,
     numerics_step,
     overhead,
+    remat_time,
     report,
     saved_bytes,
     scalify_step,
@@ -325,6 +331,7 @@ COMMANDS = {
     "gemm": gemm,
     "launch": launch,
     "memory": memory,
+    "remat": remat_time,
     "vmap": vmap_cost,
     "amp": amp_hand,
     "scalify": scalify_step,

@@ -18,6 +18,10 @@ vocabulary 256, bf16, `remat="dots"`: under FSDP a layer gathered at a time;
 AdamW warming up to 1e-3 over 100 steps, as the recipes train it). Batch 32,
 `optax.adam(3e-3)` but for that one. Prints a table, then one JSON line
 (`tests/test_sharding.py` reads it).
+
+`--layouts` (default `fsdp`): the layouts each case runs in besides replicated:
+`fsdp`, and `fsdp_tp`: a mesh `{fsdp: 4, tensor: 2}` with the GPT's logical axis
+names (`gpt.AXIS_NAMES`: attention heads, MLP and vocabulary split over "tensor").
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import lowtrain
 import lowtrain.fp8 as fp8
 import lowtrain.unit_scaling as uu
 from lowtrain.recipes._config import GPTConfig
-from lowtrain.recipes.gpt import GPT, GptTrainer, UnitGptTrainer
+from lowtrain.recipes.gpt import AXIS_NAMES, GPT, GptTrainer, UnitGptTrainer
 
 VOCAB, LENGTH, BATCH, WIDTH = 64, 16, 32, 64
 
@@ -109,12 +113,19 @@ def device_bytes(tree) -> tuple[int, int, int]:
     return max(per_device.values()), total, sharded
 
 
-def run(case: str, sharding: str, steps: int) -> dict:
+LAYOUTS = {
+    "replicated": {"sharding": "replicated"},
+    "fsdp": {"sharding": "fsdp"},
+    "fsdp_tp": {"mesh": {"fsdp": 4, "tensor": 2}, "axis_names": AXIS_NAMES},
+}
+
+
+def run(case: str, layout: str, steps: int) -> dict:
     cls, model, options, data = build(case, jax.random.key(0))
     # The wide GPT with the recipes' optimizer: AdamW, the learning rate warming up.
     warmup = optax.adamw(optax.linear_schedule(0.0, 1e-3, 100), weight_decay=0.1)
     optimizer = warmup if case == "gpt_wide_bf16" else optax.adam(3e-3)
-    trainer = cls(model, optimizer, sharding=sharding, **options)
+    trainer = cls(model, optimizer, **LAYOUTS[layout], **options)
     state = trainer.init(key=jax.random.key(1))
     most, total, sharded = device_bytes((state.model, state.opt_state))
     losses = []
@@ -138,24 +149,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("cases", nargs="+")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--layouts", default="fsdp")
     args = parser.parse_args()
     results = {}
     print(f"{len(jax.devices())} devices ({jax.devices()[0].platform})")
     print(
-        "| case | final loss, replicated | max abs loss diff | bytes per device, "
-        "replicated | bytes per device, FSDP | ratio |"
+        "| case | layout | final loss, replicated | max abs loss diff | bytes per "
+        "device, replicated | bytes per device, layout | ratio |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for case in args.cases:
         rep = run(case, "replicated", args.steps)
-        fsdp = run(case, "fsdp", args.steps)
-        results[case] = {"replicated": rep, "fsdp": fsdp}
-        diff = float(np.max(np.abs(np.subtract(rep["losses"], fsdp["losses"]))))
-        ratio = fsdp["device_bytes"] / rep["device_bytes"]
-        print(
-            f"| {case} | {rep['losses'][-1]:.4f} | {diff:.2e} | "
-            f"{rep['device_bytes']} | {fsdp['device_bytes']} | {ratio:.4f} |"
-        )
+        results[case] = {"replicated": rep}
+        for layout in args.layouts.split(","):
+            other = results[case][layout] = run(case, layout, args.steps)
+            diff = np.max(np.abs(np.subtract(rep["losses"], other["losses"])))
+            ratio = other["device_bytes"] / rep["device_bytes"]
+            print(
+                f"| {case} | {layout} | {rep['losses'][-1]:.4f} | {diff:.2e} | "
+                f"{rep['device_bytes']} | {other['device_bytes']} | {ratio:.4f} |"
+            )
     print(json.dumps(results))
 
 

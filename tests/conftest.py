@@ -36,6 +36,12 @@ MEASURED_SLOW = {
         "test_four_micro_batches_of_8_update_as_one_batch_of_32",
         "test_redo_on_nan_redoes_all_micro_batches",
     ],
+    "tests/test_block_precisions.py": [
+        "test_an_equinox_mlp_trains_by_name_with_the_cli_precision[mxfp8]",
+        "test_an_equinox_mlp_trains_by_name_with_the_cli_precision[fp8_block]",
+        "test_value_is_block_dot_general_and_gradients_the_hand_written_vjp[mxfp8]",
+        "test_value_is_block_dot_general_and_gradients_the_hand_written_vjp[fp8_block]",
+    ],
     "tests/test_amp.py": [
         "test_conv_net[jit-fp16]",
         "test_mlp[jit-fp16]",

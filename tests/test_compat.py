@@ -163,3 +163,28 @@ def test_backends_initialized_turns_true_at_the_first_device_use():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["False", "True"]
+
+
+def test_scaled_dot_quantize():
+    # JAX's own block quantizer, which tests/test_blocks.py checks
+    # `lowtrain.fp8.block_quantize` against.
+    x = jnp.arange(128.0).reshape(2, 64)
+    try:
+        mx = _compat.scaled_dot_quantize(x, "mxfp8")
+        nv = _compat.scaled_dot_quantize(x, "nvfp4", jnp.ones(1))
+    except (ImportError, AttributeError, TypeError) as e:
+        pytest.fail(
+            f"JAX {jax.__version__} moved or changed its block quantizer ({e!r}): "
+            "update lowtrain/_compat.scaled_dot_quantize."
+        )
+    got = [(a.dtype, a.shape) for pair in (mx, nv) for a in pair]
+    want = [
+        (jnp.float8_e4m3fn, (2, 64)),
+        (jnp.float8_e8m0fnu, (2, 2)),
+        (jnp.float4_e2m1fn, (2, 64)),
+        (jnp.float8_e4m3fn, (2, 4)),
+    ]
+    assert got == want, (
+        f"JAX {jax.__version__}'s block quantizer returns {got}, expected {want}: "
+        "update lowtrain/_compat.scaled_dot_quantize."
+    )

@@ -37,9 +37,15 @@ sys.path.insert(0, ".")
 from tests.helpers import SGD, Mse, batch_of, make_model
 
 assert len(jax.devices()) == 8
+# Tensor parallelism of the MLP: the hidden layer's units split over "tensor".
+NAMES = {r"layers\\.0\\.weight$": ("mlp", "embed"), r"layers\\.0\\.bias$": ("mlp",),
+         r"layers\\.1\\.weight$": ("embed", "mlp")}
 out = {}
 for name, options in [("replicated", {}), ("fsdp", {"sharding": "fsdp"}),
-                      ("fsdp_accum", {"sharding": "fsdp", "grad_accum": 2})]:
+                      ("fsdp_accum", {"sharding": "fsdp", "grad_accum": 2}),
+                      ("tp", {"mesh": {"data": 4, "tensor": 2}, "axis_names": NAMES}),
+                      ("fsdp_tp", {"mesh": {"fsdp": -1, "tensor": 2},
+                                   "axis_names": NAMES, "grad_accum": 2})]:
     trainer = Mse(make_model(512), SGD(1e-2), **options)
     state = trainer.init(key=jax.random.key(1))
     specs = [str(x.sharding.spec) for x in jax.tree.leaves(state.model)
@@ -56,6 +62,14 @@ for name, options in [("replicated", {}), ("fsdp", {"sharding": "fsdp"}),
                   if isinstance(x, jax.Array)],
         "leaves": [np.asarray(x, np.float32).ravel().tolist() for x in leaves],
     }
+errors = []
+for options in [{"mesh": {"fsdp": 8}, "sharding": "replicated"},
+                {"mesh": {"data": 4, "tensor": 2}}]:
+    try:
+        Mse(make_model(512), SGD(1e-2), **options)
+    except ValueError as e:
+        errors.append(str(e))
+out["mesh_errors"] = errors
 # `init` again after steps: the donated state never aliased the trainer's model.
 try:
     Mse(make_model(512), SGD(1e-2), grad_accum=8).compiled_step(
@@ -107,8 +121,20 @@ def test_fsdp_and_grad_accum_on_8_devices_match_replicated(tmp_path):
     split = ["P('data',)", "P()", "P(None, 'data')", "P()"]
     assert out["fsdp"]["specs"] == out["fsdp"]["after"] == split
     assert set(out["replicated"]["after"]) == {"P()"}
+    # Tensor parallelism: the hidden units over "tensor" (the batch over the other
+    # axis); with an "fsdp" axis (of 4) also "embed" where it divides: the (512, 4)
+    # weight's 4, not the (2, 512) one's 2.
+    tp = ["P('tensor',)", "P('tensor',)", "P(None, 'tensor')", "P()"]
+    assert out["tp"]["specs"] == out["tp"]["after"] == tp
+    fsdp_tp = ["P('tensor', 'fsdp')", *tp[1:]]
+    assert out["fsdp_tp"]["specs"] == out["fsdp_tp"]["after"] == fsdp_tp
+    assert [e.split(",")[0] for e in out["mesh_errors"]] == [
+        "Expected `sharding='fsdp'` (or None) with a mesh axis 'fsdp' of 8 devices",
+        "Expected `axis_names` for a mesh axis 'tensor' of 2 devices (the logical "
+        "axes of the arrays it splits",
+    ]
     rep = out["replicated"]
-    for name in ("fsdp", "fsdp_accum"):
+    for name in ("fsdp", "fsdp_accum", "tp", "fsdp_tp"):
         np.testing.assert_allclose(out[name]["losses"], rep["losses"], atol=1e-6)
         for a, b in zip(out[name]["leaves"], rep["leaves"]):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
@@ -162,6 +188,68 @@ def test_array_spec_splits_the_largest_divisible_dimension():
     assert array_spec((), 8, "fsdp") == P()
     assert array_spec((64, 256), 1, "fsdp") == P()
     assert array_spec((64, 256), 8, "replicated") == P()
+
+
+def test_layout_splits_by_logical_names():
+    from jax.sharding import AbstractMesh
+
+    from lowtrain.train import AXIS_RULES, Layout
+
+    names = (
+        (r"qkv\.kernel$", ("embed", "heads")),
+        (r"norm$", ("embed",)),
+        (r"twice$", ("heads", "mlp")),  # both over "tensor": the second whole
+    )
+    rules = tuple(AXIS_RULES.items())
+    layout = Layout(AbstractMesh((2, 4), ("fsdp", "tensor")), "fsdp", names, rules)
+    assert layout.fsdp_axis == "fsdp" and layout.batch_axes == ("fsdp",)
+    path = "opt_state.0.mu.blocks.qkv.kernel"  # a moment: named as its parameter
+    assert layout.spec(path, (8, 512, 1536)) == P(None, "fsdp", "tensor")
+    assert layout.spec(path, (8, 512, 1536), gathered=True) == P(None, None, "tensor")
+    assert layout.spec("qkv.kernel", (512, 1538)) == P("fsdp")  # 1538 % 4: whole
+    assert layout.spec("ln.norm", (4096,)) == P("fsdp")
+    assert layout.spec("ln.norm", (512,)) == P()  # under FSDP_MIN_SIZE
+    assert layout.spec("twice", (64, 64)) == P("tensor")
+    assert layout.spec("qkv.kernel.scale", ()) == P()  # fewer dimensions than names
+    assert layout.spec("other", (6, 2048)) == P(None, "fsdp")  # unnamed: by shape
+    assert layout.activation_spec(("batch", None, "heads"), (8, 3, 12)) == P(
+        "fsdp", None, "tensor"
+    )
+    # One "data" axis under "fsdp": the FSDP axis is "data"; replicated: none.
+    data = AbstractMesh((8,), ("data",))
+    assert Layout(data, "fsdp", names, rules).spec(path, (512, 16)) == P("data")
+    assert Layout(data, "replicated", names, rules).spec(path, (512, 16)) == P()
+    # Rules over the defaults.
+    _, mine = lowtrain.train._placement.make_layout(
+        None, None, "fsdp", {"w$": ("embed", "mine")}, {"mine": "tensor"}
+    )
+    assert dict(mine.rules)["mine"] == ("tensor",)
+    assert dict(mine.rules)["heads"] == ("tensor",)
+
+
+def test_mesh_and_axis_names_errors():
+    model = make_model()
+    for options, message in [
+        ({"mesh": {"model": 1}}, r"Expected mesh axes among \['data', 'fsdp'"),
+        ({"mesh": {"fsdp": 2}}, "Expected the mesh's sizes {'fsdp': 2} to multiply"),
+        ({"mesh": {"data": 0}}, "Expected the size of mesh axis 'data' a positive"),
+        ({"mesh": {"data": -1, "fsdp": -1}}, "Expected at most one mesh axis of"),
+        ({"mesh": [1]}, "Expected `mesh` a mapping of axis names"),
+        ({"axis_names": {"(": ("embed",)}}, "Expected each pattern of `axis_names`"),
+        ({"axis_names": {"w": ("model",)}}, r"got \['model'\] \(for 'w'\), which"),
+        ({"axis_rules": {"embed": "model"}}, "Expected the rule of logical axis"),
+    ]:
+        error = TypeError if options.get("mesh") == [1] else ValueError
+        with pytest.raises(error, match=message):
+            Regression(model, SGD(1e-2), **options)
+    # One device as {data: -1, fsdp: 1}: the default placement, over named axes.
+    trainer = Regression(model, SGD(1e-2), mesh={"data": -1, "fsdp": 1})
+    assert trainer.mesh.axis_names == ("data", "fsdp")
+    assert trainer.sharding == "replicated"  # an "fsdp" axis of one device
+    x = jnp.ones((4, 8))
+    assert lowtrain.train.logical_constraint(x, ("batch", None)) is x
+    with pytest.raises(ValueError, match=r"one logical axis name per dimension"):
+        lowtrain.train.logical_constraint(x, ("batch",))
 
 
 def test_fsdp_on_one_device_and_bad_sharding():
@@ -244,7 +332,7 @@ def test_fsdp_gathers_a_layer_at_a_time_and_again_in_the_backward(tmp_path):
     # Gathering the whole model before the loss moves each split parameter once
     # (`split_parameter_bytes`; those under `FSDP_MIN_SIZE` stay replicated); a
     # layer at a time under `remat="dots"`, the blocks' again in the backward pass:
-    # more than 1.5 times, never more than twice (806,912 bytes of 2 x 413,696 on
+    # more than 1.5 times, never more than twice (808,960 bytes of 2 x 413,696 on
     # this model: some of the arrays outside the blocks are gathered once).
     split = fsdp["split_parameter_bytes"]
     assert rep["split_parameter_bytes"] == 0
@@ -253,6 +341,12 @@ def test_fsdp_gathers_a_layer_at_a_time_and_again_in_the_backward(tmp_path):
     assert fsdp["arguments"] < rep["arguments"] / 5  # the state: an eighth, mostly
     total = lambda row: row["arguments"] + row["temporaries"]
     assert total(fsdp) < 0.6 * total(rep)
+    # FSDP x TP ({fsdp: 4, tensor: 2}): the state split 8 ways as well, but a
+    # layer gathered over "fsdp" only, still split over "tensor": half the bytes.
+    tp = rows["fsdp_tp"]
+    assert tp["arguments"] <= fsdp["arguments"]
+    assert 0.4 * fsdp["collectives"]["all-gather"] < tp["collectives"]["all-gather"]
+    assert tp["collectives"]["all-gather"] < 0.6 * fsdp["collectives"]["all-gather"]
 
 
 @pytest.mark.slow
@@ -260,13 +354,39 @@ def test_fsdp_per_layer_plan_of_the_wide_gpt(tmp_path):
     # 8 devices, the GPT at 8 layers, width 512, context 64, batch 32, bf16: FSDP
     # with `remat="dots"` holds at most a quarter of what replicated holds with the
     # default `remat="none"` (arguments + temporaries per device).
+    # FSDP x TP (4 x 2) at most 0.3x.
     none = run_memory_plan(tmp_path, "--devices", "8")
     dots = run_memory_plan(
-        tmp_path, "--devices", "8", "--layouts", "fsdp", "--set", "trainer.remat=dots"
+        tmp_path,
+        "--devices",
+        "8",
+        "--layouts",
+        "fsdp,fsdp_tp",
+        "--set",
+        "trainer.remat=dots",
     )
     total = lambda row: row["arguments"] + row["temporaries"]
     assert total(dots["fsdp"]) <= 0.25 * total(none["replicated"])
+    assert total(dots["fsdp_tp"]) <= 0.3 * total(none["replicated"])
     assert total(none["fsdp"]) < total(none["replicated"])
+    assert total(none["fsdp_tp"]) < total(none["replicated"])
+
+
+@pytest.mark.slow
+def test_fsdp_tp_gpt_trains_as_replicated():
+    # The GPT on {fsdp: 4, tensor: 2} with its logical axis names: in float32 the
+    # losses of replicated to rounding; in bf16 within bf16's (the row-parallel
+    # matmuls' partial sums are rounded to bf16 before they are summed).
+    out = run_on_8_devices(
+        "tests/_fsdp_child.py", "--layouts", "fsdp_tp", "gpt_fp32", "gpt_bf16"
+    )
+    for case, rtol in (("gpt_fp32", 1e-5), ("gpt_bf16", 1e-3)):
+        rep = np.array(out[case]["replicated"]["losses"])
+        tp = np.array(out[case]["fsdp_tp"]["losses"])
+        assert rep[-1] < rep[0]
+        np.testing.assert_allclose(tp, rep, rtol=rtol, atol=0)
+        most = [out[case][k]["device_bytes"] for k in ("fsdp_tp", "replicated")]
+        assert most[0] <= (1 / 8 + 0.05) * most[1], most
 
 
 @pytest.mark.slow

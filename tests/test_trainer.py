@@ -333,8 +333,8 @@ def test_data_parallel_step_matches_one_device(tmp_path):
     assert out["one_batch_devices"] == 1
     assert out["error"].startswith(
         "Expected every batch array's leading axis to divide by the number of "
-        "devices (4), got shape (6, 4) at `batch['x']` instead. Use a batch size "
-        "that is a multiple of 4"
+        "devices it is split over (4), got shape (6, 4) at `batch['x']` instead. "
+        "Use a batch size that is a multiple of 4"
     )
 
 

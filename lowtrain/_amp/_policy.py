@@ -11,12 +11,15 @@ import numpy as np
 from jaxtyping import PyTree
 
 from .._scopes import match_scope
+from ..fp8 import BlockRecipe, block_recipe
 
 RESIDUALS = ("all", "half")
 
 from ._rules import (  # noqa: E402
     ACTIONS,
     AMP_STOP_SCOPE,
+    BLOCK,
+    BLOCK_PRIMITIVES,
     DEFAULT_RULES,
     FP8,
     FP8_PRIMITIVES,
@@ -104,9 +107,17 @@ class Policy(eqx.Module):
       only values in the compute dtype (and integers); the float32 ones (a layer
       norm's, a softmax's, GELU's internals) are recomputed from them in the backward
       pass, which roughly halves the saved bytes for a little extra compute;
-    - `fp8_min_dim`: a `dot_general` that the "fp8" action would run in FP8 runs in
-      the compute dtype instead when its GEMM's M, N or K (`lowtrain.fp8.gemm_dims`)
-      is below this: too small for an FP8 GEMM to pay for its casts (0: none is).
+    - `fp8_min_dim`: a `dot_general` that the "fp8" (or "block") action would run
+      in FP8 runs in the compute dtype instead when its GEMM's M, N or K
+      (`lowtrain.fp8.gemm_dims`) is below this: too small for an FP8 GEMM to pay
+      for its casts (0: none is);
+    - `block`: the `lowtrain.fp8.BlockRecipe` (or its name) the "block" action runs
+      matmuls with (None: no block action). The "mxfp8", "fp8_block" and "nvfp4"
+      presets set it. Which operand of a matmul is the weight: the one computed
+      from a parameter (an array leaf of the module `amp` wraps) by layout
+      changes only (casts, transposes, reshapes, slices, a scan's slicing of
+      stacked layers); if both are, the right one; if neither (attention's
+      products, or a plain function's arguments), there is none.
 
     The policy is static data: it is hashable and never traced.
 
@@ -125,6 +136,7 @@ class Policy(eqx.Module):
     assert lean.residuals == "half" and lean.compute_dtype == jnp.bfloat16
     big_only = lowtrain.get_policy("fp8").with_fp8_min_dim(1024)
     assert big_only.fp8_min_dim == 1024
+    assert lowtrain.get_policy("nvfp4").block.name == "nvfp4"
     ```
     """
 
@@ -135,6 +147,7 @@ class Policy(eqx.Module):
     scopes: tuple[tuple[str, str], ...] = eqx.field(static=True)
     residuals: str = eqx.field(static=True)
     fp8_min_dim: int = eqx.field(static=True)
+    block: BlockRecipe | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -146,6 +159,7 @@ class Policy(eqx.Module):
         scopes: Mapping[str, object] | None = None,
         residuals: str = "all",
         fp8_min_dim: int = 0,
+        block: BlockRecipe | str | None = None,
     ):
         self.param_dtype = _float_dtype(param_dtype, "param_dtype")
         self.compute_dtype = _float_dtype(compute_dtype, "compute_dtype")
@@ -159,6 +173,18 @@ class Policy(eqx.Module):
                     f"The 'fp8' action applies to {', '.join(FP8_PRIMITIVES)} only, "
                     f"got it for `{prim}`. Use 'compute' or a dtype name for other ops."
                 )
+            if act == BLOCK and prim not in BLOCK_PRIMITIVES:
+                raise ValueError(
+                    f"The 'block' action applies to {', '.join(BLOCK_PRIMITIVES)} "
+                    f"only, got it for `{prim}`. Use 'compute' for convolutions."
+                )
+        self.block = None if block is None else block_recipe(block)
+        if self.block is None and BLOCK in dict(self.rules).values():
+            raise ValueError(
+                "Expected a `block` recipe with the 'block' action, got none. Pass "
+                "one, e.g. `Policy(..., block='mxfp8')`, or use a preset: "
+                "`get_policy('mxfp8')`."
+            )
         self.scopes = _table(
             {AMP_STOP_SCOPE: KEEP, **_mapping(scopes, "scopes")}, "scopes"
         )
@@ -189,6 +215,7 @@ class Policy(eqx.Module):
             scopes=dict(self.scopes),
             residuals=self.residuals,
             fp8_min_dim=self.fp8_min_dim,
+            block=self.block,
         )
         return Policy(
             self.param_dtype,
@@ -214,6 +241,11 @@ class Policy(eqx.Module):
         """A copy whose FP8 matmuls with an M, N or K below `fp8_min_dim` run in the
         compute dtype instead (`fp8_min_dim` above)."""
         return self._replace(fp8_min_dim=fp8_min_dim)
+
+    def with_block(self, block: BlockRecipe | str) -> Policy:
+        """A copy whose "block" action runs the recipe `block` (a
+        `lowtrain.fp8.BlockRecipe` or its name; `block` above)."""
+        return self._replace(block=block)
 
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
         """The action for primitive `primitive` inside `scopes` (outermost first)."""
@@ -242,14 +274,23 @@ def _cast_floats(tree, dtype):
     return jax.tree.map(cast, tree)
 
 
+# The presets that name a block recipe (`lowtrain.fp8.BLOCK_RECIPES`).
+BLOCK_PRESETS = ("mxfp8", "fp8_block", "nvfp4")
 _PRESETS = {
     "fp32": ("float32", "float32", "float32"),
     "bf16": ("float32", "bfloat16", "float32"),
     "fp16": ("float32", "float16", "float32"),
     # Matmuls and convolutions in FP8, everything else as "bf16".
     "fp8": ("float32", "bfloat16", "float32"),
+    # Matmuls block-scaled (`lowtrain.fp8.BLOCK_RECIPES`), everything else as "bf16".
+    "mxfp8": ("float32", "bfloat16", "float32"),
+    "fp8_block": ("float32", "bfloat16", "float32"),
+    "nvfp4": ("float32", "bfloat16", "float32"),
 }
-_PRESET_RULES = {"fp8": {p: FP8 for p in FP8_PRIMITIVES}}
+_PRESET_RULES = {
+    "fp8": {p: FP8 for p in FP8_PRIMITIVES},
+    **{name: {p: BLOCK for p in BLOCK_PRIMITIVES} for name in BLOCK_PRESETS},
+}
 _PRESET_ALIASES = {
     "float32": "fp32",
     "full": "fp32",
@@ -260,12 +301,16 @@ _KEYS = {"params": 0, "p": 0, "compute": 1, "c": 1, "output": 2, "o": 2}
 
 
 def get_policy(name: str) -> Policy:
-    """A `Policy` from `name`: "fp32", "bf16", "fp16", "fp8" (case-insensitive;
-    "float32", "full", "bfloat16" and "float16" are aliases), or a jmp-style string.
+    """A `Policy` from `name`: "fp32", "bf16", "fp16", "fp8", "mxfp8", "fp8_block",
+    "nvfp4" (case-insensitive; "float32", "full", "bfloat16" and "float16" are
+    aliases), or a jmp-style string.
 
     The presets keep parameters and outputs in float32 and compute in the named dtype;
     "fp8" runs matmuls and convolutions through `lowtrain.fp8` (E4M3 forward, E5M2
-    backward, current scaling) and everything else as "bf16".
+    backward, current scaling) and everything else as "bf16"; "mxfp8", "fp8_block"
+    and "nvfp4" run every `dot_general` block-scaled (the "block" action with the
+    `lowtrain.fp8.BLOCK_RECIPES` recipe of that name) and everything else, the
+    convolutions included, as "bf16".
     A jmp-style string names each dtype, e.g. "params=float32,compute=bfloat16,
     output=float32" or "p=f32,c=f16,o=f32"; a missing `output` defaults to `params`.
 
@@ -281,7 +326,8 @@ def get_policy(name: str) -> Policy:
         raise TypeError(f"Expected a policy name (str), got {type(name).__name__}.")
     key = _PRESET_ALIASES.get(name.strip().lower(), name.strip().lower())
     if key in _PRESETS:
-        return Policy(*_PRESETS[key], rules=_PRESET_RULES.get(key))
+        block = key if key in BLOCK_PRESETS else None
+        return Policy(*_PRESETS[key], rules=_PRESET_RULES.get(key), block=block)
     if "=" not in name:
         raise ValueError(
             f"Unknown policy {name!r}. Expected one of {', '.join(_PRESETS)} or a "

@@ -11,6 +11,9 @@ A rule is an *action* (a string, so policies stay plain data that Hydra can writ
 - "fp8" (matmuls and convolutions only): run through `lowtrain.fp8`'s FP8 path (E4M3
   operands forward, E5M2 cotangent backward, per-tensor current scaling), returning
   the compute dtype;
+- "block" (`dot_general` only): run through `lowtrain.fp8.block_recipe_dot` with
+  the policy's `block` recipe (block-scaled MXFP8, DeepSeek-V3's FP8 tiles, NVFP4;
+  simulated: quantize, dequantize, multiply), returning the compute dtype;
 - a float dtype name ("float32", "bfloat16", ...): cast float inputs to that dtype.
 """
 
@@ -23,8 +26,12 @@ FLOAT32 = "float32"
 WIDEST = "widest"
 KEEP = "keep"
 FP8 = "fp8"
-ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP, FP8)
+BLOCK = "block"
+ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP, FP8, BLOCK)
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
+# Block scaling runs along one contracting dimension: matmuls only (a convolution
+# under a block policy runs in the compute dtype).
+BLOCK_PRIMITIVES = ("dot_general",)
 
 # `amp_stop` opens a `jax.named_scope` with this name (defined in the core, since
 # `lowtrain.fp8` opens it too); every policy maps it to "keep".

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import fp8
+from .. import _compat, fp8
 from .._attention import attention_config, dot_product_attention
 from .._compat import COMBINER_PRIMITIVES, current_vmap, custom_vmap_p
 from .._context import trace_key
@@ -25,8 +25,9 @@ from .._interpret import (
     write_back,
 )
 from ..fp8.internal import delayed_dot_config, static_dot_config
+from ._params import param_vars
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
-from ._rules import COMPUTE, FLOAT32, FP8, KEEP, WIDEST
+from ._rules import BLOCK, BLOCK_PRIMITIVES, COMPUTE, FLOAT32, FP8, KEEP, WIDEST
 
 
 def _is_float(dtype) -> bool:
@@ -51,8 +52,19 @@ def _cast(x, dtype):
 
 
 class _AmpInterpreter(Interpreter):
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, n_params: int = 0):
         self.policy = policy
+        self.n_params = n_params
+        # The program's parameter variables (`_params.py`), found on the first
+        # (outermost) evaluation when the policy has a block recipe: which operand
+        # of a block-scaled matmul is the weight.
+        self.weights: frozenset | None = None
+
+    def eval_jaxpr(self, closed, args, *rest, **kwargs) -> list:
+        if self.weights is None:
+            block = self.policy.block is not None and self.n_params
+            self.weights = param_vars(closed, self.n_params) if block else frozenset()
+        return super().eval_jaxpr(closed, args, *rest, **kwargs)
 
     @staticmethod
     def _cast(eqn: Eqn, x, dtype):
@@ -73,10 +85,14 @@ class _AmpInterpreter(Interpreter):
             return eqn.bind(*invals)
         action = self.policy.action(name, eqn.scopes)
         invals = [jnp.asarray(v) if not hasattr(v, "dtype") else v for v in invals]
-        if action == FP8 and self._too_small(eqn):
+        if action in (FP8, BLOCK) and self._too_small(eqn):
+            action = COMPUTE
+        if action == BLOCK and not self._blockable(eqn):
             action = COMPUTE
         if action == FP8:
             return [self._fp8(eqn, *invals)]
+        if action == BLOCK:
+            return [self._block(eqn, *invals)]
         if name in SCATTERS:
             return [self._scatter(eqn, action, *invals)]
         if name in COMBINER_PRIMITIVES:
@@ -178,6 +194,36 @@ class _AmpInterpreter(Interpreter):
         dims = fp8.gemm_dims(lhs, rhs, eqn.params["dimension_numbers"])
         return min(dims) < self.policy.fp8_min_dim
 
+    def _blockable(self, eqn: Eqn) -> bool:
+        # A block-scaled GEMM: a matmul with one contracting dimension per operand
+        # (the blocks run along it) and a free one in each (the backward GEMMs
+        # contract those); any other (a matrix-vector product, a contraction over
+        # two dimensions, a convolution) runs in the compute dtype.
+        if eqn.primitive.name not in BLOCK_PRIMITIVES:
+            return False
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = (len(a.shape) for a in eqn.in_avals)
+        free = lhs - len(lc) - len(lb) > 0 and rhs - len(rc) - len(rb) > 0
+        return len(lc) == 1 and len(rc) == 1 and free
+
+    def _block(self, eqn: Eqn, lhs, rhs):
+        # The weight: the operand computed from a parameter (the right one if both
+        # are; none for a product of activations), as `Policy.block` says.
+        weights = self.weights or frozenset()
+        lhs_w, rhs_w = (
+            not isinstance(v, _compat.Literal) and v in weights for v in eqn.invars
+        )
+        weight = "rhs" if rhs_w else "lhs" if lhs_w else None
+        dn = eqn.params["dimension_numbers"]
+        return fp8.block_recipe_dot(
+            lhs,
+            rhs,
+            dn,
+            self.policy.block,
+            weight=weight,
+            out_dtype=self.policy.compute_dtype,
+        )
+
     def _fp8(self, eqn: Eqn, lhs, rhs):
         out = self.policy.compute_dtype
         if eqn.primitive.name == "dot_general":
@@ -197,7 +243,7 @@ class _AmpInterpreter(Interpreter):
             return self._as_written(eqn, (lhs, rhs, *state))[0]
         dn, treedef = config
         state = [_cast(v, a.dtype) for v, a in zip(state, eqn.in_avals[2:])]
-        if action in (COMPUTE, FP8):
+        if action in (COMPUTE, FP8, BLOCK):
             out = self.policy.compute_dtype
         else:
             out = self._target(action, [lhs, rhs], eqn.weak[:2])
@@ -213,7 +259,7 @@ class _AmpInterpreter(Interpreter):
         if action == KEEP:
             return self._as_written(eqn, (lhs, rhs))[0]
         dn, scales, rounding = config
-        if action in (COMPUTE, FP8):
+        if action in (COMPUTE, FP8, BLOCK):
             out = self.policy.compute_dtype
         else:
             out = self._target(action, [lhs, rhs], eqn.weak)
@@ -273,15 +319,16 @@ def _cast_floats(leaves, dtype):
 
 
 @eqx.filter_jit
-def _amp_call(fn, policy: Policy, args, kwargs, settings=()):
+def _amp_call(fn, policy: Policy, args, kwargs, settings=(), n_params=0):
     # Traced once per input structure (filter_jit's cache): the program is traced at the
     # dtypes it was written for, then re-interpreted under the policy.
     # Inputs enter as they are: each op casts what it uses (`_AmpInterpreter.rule`),
     # so an input used by float32 ops keeps its precision there.
     call = FlatCall(fn, args, kwargs)
     remat = _save_half(policy.compute_dtype) if policy.residuals == "half" else None
+    # The first `n_params` inputs are the parameters (the wrapped module's leaves).
     outs = call_transformed(
-        _AmpInterpreter(policy),
+        _AmpInterpreter(policy, n_params),
         call,
         call.inputs,
         leave=lambda outs: _cast_floats(outs, policy.output_dtype),
@@ -294,7 +341,7 @@ def _amp_call(fn, policy: Policy, args, kwargs, settings=()):
     return out, updates
 
 
-def _batched_call(frame, fn, policy: Policy, args, kwargs):
+def _batched_call(frame, fn, policy: Policy, args, kwargs, n_params: int):
     """`fn(*args, **kwargs)` called under the `jax.vmap` of `frame`, run as
     `amp(jax.vmap(fn), policy)` on the whole batch: the program `amp` places is the
     batched one (a weight gradient is one matmul over the batch, not one per example
@@ -332,21 +379,26 @@ def _batched_call(frame, fn, policy: Policy, args, kwargs):
         return outs
 
     with frame.outside():
-        outs = _call(batched, policy, tuple(val for val, _ in split), {})
+        # `fn`'s own array leaves come first among `split`: still the parameters.
+        vals = tuple(val for val, _ in split)
+        outs = _call(batched, policy, vals, {}, n_params=n_params)
     out_tree, static = out_structure[0]
     wrapped = [frame.wrap(x, d) for x, d in zip(outs, out_dims)]
     return eqx.combine(jax.tree.unflatten(out_tree, wrapped), static)
 
 
-def _call(fn, policy: Policy, args, kwargs):
+def _call(fn, policy: Policy, args, kwargs, n_params: int | None = None):
     # Under `jax.vmap`, the batched program (`_batched_call`; a vmap around that one
-    # is peeled the same way); else `fn` itself.
+    # is peeled the same way); else `fn` itself. `n_params`: how many of the array
+    # leaves of `(fn, args, kwargs)`, first, are parameters (None: `fn`'s own).
+    if n_params is None:
+        n_params = sum(1 for x in jax.tree.leaves(fn) if eqx.is_array(x))
     frame = current_vmap()
     if frame is not None:
-        out = _batched_call(frame, fn, policy, args, kwargs)
+        out = _batched_call(frame, fn, policy, args, kwargs, n_params)
         if out is not None:
             return out
-    out, updates = _amp_call(fn, policy, args, kwargs, trace_key())
+    out, updates = _amp_call(fn, policy, args, kwargs, trace_key(), n_params)
     # What the call changed in place (an NNX BatchNorm's statistics, a dropout RNG
     # stream) is set on the caller's objects, as the call without `amp` sets it.
     write_back((fn, args, kwargs), updates)

@@ -1,5 +1,25 @@
-"""FP8 like the hardware does it: E4M3 forward, E5M2 backward, scaled, saturating."""
+"""FP8 like the hardware does it: E4M3 forward, E5M2 backward, scaled, saturating;
+and block-scaled (microscaling) FP8 and FP4 formats, quantizers and a simulated GEMM."""
 
+from ._block_dot import block_dot_general as block_dot_general
+from ._block_recipe import BLOCK_RECIPES as BLOCK_RECIPES
+from ._block_recipe import BlockRecipe as BlockRecipe
+from ._block_recipe import block_recipe as block_recipe
+from ._block_recipe import block_recipe_dot as block_recipe_dot
+from ._blocks import BLOCK_FORMATS as BLOCK_FORMATS
+from ._blocks import E2M1 as E2M1
+from ._blocks import E8M0 as E8M0
+from ._blocks import FP8_1X128 as FP8_1X128
+from ._blocks import FP8_128X128 as FP8_128X128
+from ._blocks import MXFP4 as MXFP4
+from ._blocks import MXFP8_E4M3 as MXFP8_E4M3
+from ._blocks import MXFP8_E5M2 as MXFP8_E5M2
+from ._blocks import NVFP4 as NVFP4
+from ._blocks import BlockFormat as BlockFormat
+from ._blocks import BlockScaled as BlockScaled
+from ._blocks import block_fake_quantize as block_fake_quantize
+from ._blocks import block_format as block_format
+from ._blocks import block_quantize as block_quantize
 from ._dot import fp8_conv_general_dilated as fp8_conv_general_dilated
 from ._dot import fp8_dot_general as fp8_dot_general
 from ._dot import fp8_dot_general_delayed as fp8_dot_general_delayed

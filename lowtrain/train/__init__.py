@@ -22,6 +22,7 @@ from ._finite import apply_if_finite as apply_if_finite
 from ._hooks import StepInfo as StepInfo
 from ._jit import async_filter_jit as async_filter_jit
 from ._layer import gather_layer as gather_layer
+from ._layer import logical_constraint as logical_constraint
 from ._layer import remat_layer as remat_layer
 from ._lock import RunFolderLocked as RunFolderLocked
 from ._lock import RunLock as RunLock
@@ -35,11 +36,14 @@ from ._loggers import WandbLogger as WandbLogger
 from ._loggers import make_logger as make_logger
 from ._loop import FitRun as FitRun
 from ._named import Fp8Linears as Fp8Linears
+from ._named import block_scaled as block_scaled
 from ._named import delayed_fp8 as delayed_fp8
 from ._named import naive_fp8 as naive_fp8
 from ._named import scalify_fp8 as scalify_fp8
 from ._named import scalify_fp8_op as scalify_fp8_op
 from ._numerics import NumericsRecorder as NumericsRecorder
+from ._placement import AXIS_RULES as AXIS_RULES
+from ._placement import Layout as Layout
 from ._placement import array_spec as array_spec
 from ._precisions import Amp as Amp
 from ._precisions import DelayedFp8 as DelayedFp8

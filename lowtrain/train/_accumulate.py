@@ -8,13 +8,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 from .._loss_scale import AbstractLossScale, redo_while_nonfinite, scaled_value_and_grad
 from ._layer import in_step
-from ._placement import constrain_state
+from ._placement import Layout
 from ._protocol import Precision
 
 F32 = jnp.float32
@@ -67,8 +67,7 @@ def accumulated_value_and_grad(
     *,
     grad_accum: int,
     redo_on_nan: int,
-    mesh: Mesh,
-    sharding: str,
+    layout: Layout,
     remat: str = "none",
     layered: bool = True,
 ) -> Callable:
@@ -78,7 +77,7 @@ def accumulated_value_and_grad(
 
     `grads` and `extra` are `precision.split_gradients` of the gradients. With
     `grad_accum=1` this is `lowtrain.scaled_value_and_grad` and nothing else. With
-    K > 1 (a `lax.scan` over `micro_batches(batch, K, mesh.size)`):
+    K > 1 (a `lax.scan` over `micro_batches(batch, K, layout.batch_shards)`):
 
     - every micro-batch uses the same loss scale and model, and the key
       `jax.random.fold_in(key, i)` for micro-batch `i`;
@@ -95,33 +94,33 @@ def accumulated_value_and_grad(
     """
     single = scaled_value_and_grad(fn, has_aux=True, redo_on_nan=redo_on_nan)
     micro = scaled_value_and_grad(fn, has_aux=True)
+
     # FSDP: the parameters are gathered (all-gather) before they are used, so the
     # forward and backward compute what replicated data parallelism computes, and
-    # the gradients leave reduce-scattered (`constrain_state` on what depends on
+    # the gradients leave reduce-scattered (`layout.constrain` on what depends on
     # them): a layer at a time where the model calls `gather_layer` (found by
     # tracing the loss once on shapes; not for `layered=False`), else all at once.
-    where = mesh if sharding == "fsdp" else None
-
+    # Whole over the FSDP axis, still split over "tensor".
     def gather(model, batch, key):
-        if where is not None and layered:
-            with in_step(where, remat) as seen:
+        if layout.fsdp_axis is not None and layered:
+            with in_step(layout, remat) as seen:
                 eqx.filter_eval_shape(lambda m, b: fn(m, b, key=key), model, batch)
             if seen.called:
                 return model
-        return constrain_state(mesh, "replicated", model)
+        return layout.constrain(model, gathered=True)
 
     def one_step(
         ls: AbstractLossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
     ):
         model = gather(model, batch, key)
-        with in_step(where, remat):
+        with in_step(layout, remat):
             (value, grads), ls, finite = single(ls, model, batch, key=key)
         grads, extra = precision.split_gradients(grads)
         return (value, grads, extra), ls, finite
 
     def attempt(ls, model, batch, key):
-        parts = micro_batches(batch, grad_accum, mesh.size)
-        spec = NamedSharding(mesh, P(None, "data"))
+        parts = micro_batches(batch, grad_accum, layout.batch_shards)
+        spec = NamedSharding(layout.mesh, P(None, *layout.batch_spec()))
         parts = jax.tree.map(lambda x: lax.with_sharding_constraint(x, spec), parts)
 
         def body(acc, xs):
@@ -131,11 +130,11 @@ def accumulated_value_and_grad(
             )
             grads, extra = precision.split_gradients(grads)
             acc = jax.tree.map(lambda a, g: a + g.astype(F32), acc, grads)
-            return constrain_state(mesh, sharding, acc), (value, extra, finite)
+            return layout.constrain(acc), (value, extra, finite)
 
         params = eqx.filter(model, eqx.is_inexact_array)
         zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, F32), params)
-        zeros = constrain_state(mesh, sharding, zeros)  # sharded as the parameters
+        zeros = layout.constrain(zeros)  # sharded as the parameters
         steps = (parts, jnp.arange(grad_accum))
         acc, (values, extras, finites) = lax.scan(body, zeros, steps)
         grads = jax.tree.map(lambda a, p: (a / grad_accum).astype(p.dtype), acc, params)
@@ -145,10 +144,11 @@ def accumulated_value_and_grad(
     def accumulated(
         ls: AbstractLossScale, model: PyTree, batch: PyTree, *, key: PRNGKeyArray
     ) -> tuple[tuple, AbstractLossScale, Bool[Array, ""]]:
-        part = jax.tree.map(lambda x: x[0], micro_batches(batch, grad_accum, mesh.size))
+        parts = micro_batches(batch, grad_accum, layout.batch_shards)
+        part = jax.tree.map(lambda x: x[0], parts)
         gathered = gather(model, part, key)
         run = lambda ls: attempt(ls, gathered, batch, key)
-        with in_step(where, remat):
+        with in_step(layout, remat):
             ls, value, grads, extra, finite = redo_while_nonfinite(run, ls, redo_on_nan)
         return (value, grads, extra), ls.adjust(finite), finite
 

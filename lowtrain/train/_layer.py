@@ -1,8 +1,9 @@
 """What a model does per layer for the Trainer: `gather_layer` gathers one layer's
 parameters whole where the layer runs under FSDP (an all-gather in the forward
-pass; their gradients reduce-scattered back to the shards there), and
-`remat_layer` makes the backward pass recompute what the Trainer's `remat` says
-(`REMAT`). The Trainer sets both while it traces a step (`in_step`); elsewhere
+pass; their gradients reduce-scattered back to the shards there), `remat_layer`
+makes the backward pass recompute what the Trainer's `remat` says (`REMAT`), and
+`logical_constraint` places an activation by its logical axis names (tensor
+parallelism). The Trainer sets them while it traces a step (`in_step`); elsewhere
 they are the identity."""
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from collections.abc import Callable
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import Mesh
-from jaxtyping import PyTree
+from jax.sharding import NamedSharding
+from jaxtyping import Array, PyTree
 
 from .._context import trace_setting
-from ._placement import constrain_state
+from ._placement import Layout
 
 # The name of a gathered parameter in the program, for `jax.checkpoint` policies.
 GATHERED = "lowtrain_fsdp_gathered"
@@ -37,10 +39,10 @@ REMAT = {
 
 
 class _Step:
-    # While a step is traced: the mesh to gather over (None: no FSDP), the remat
-    # policy's name, and whether the model called `gather_layer`.
-    def __init__(self, mesh: Mesh | None, remat: str):
-        self.mesh, self.remat, self.called = mesh, remat, False
+    # While a step is traced: the Trainer's layout, the remat policy's name, and
+    # whether the model called `gather_layer`.
+    def __init__(self, layout: Layout, remat: str):
+        self.layout, self.remat, self.called = layout, remat, False
 
 
 _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar(
@@ -49,15 +51,15 @@ _STEP: contextvars.ContextVar[_Step | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def in_step(mesh: Mesh | None, remat: str = "none"):
-    """While tracing a Trainer's step: `gather_layer` gathers over `mesh` (None:
-    it does not; a Trainer with `sharding="fsdp"`), `remat_layer` applies the
-    policy `REMAT[remat]`. Yields a record whose `called` says whether the model
-    called `gather_layer`."""
-    step = _Step(mesh, remat)
+def in_step(layout: Layout, remat: str = "none"):
+    """While tracing a Trainer's step: `gather_layer` gathers over the FSDP axis
+    of `layout` (if it has one), `logical_constraint` places by its rules,
+    `remat_layer` applies the policy `REMAT[remat]`. Yields a record whose
+    `called` says whether the model called `gather_layer`."""
+    step = _Step(layout, remat)
     token = _STEP.set(step)
     try:
-        with trace_setting(("layer", mesh, remat)):  # keys the transforms' traces
+        with trace_setting(("layer", layout, remat)):  # keys the transforms' traces
             yield step
     finally:
         _STEP.reset(token)
@@ -114,8 +116,11 @@ def gather_layer(layer: PyTree) -> PyTree:
     under `remat_layer`, the backward pass gathers each layer again instead of
     keeping every gathered layer until then. In the forward pass the
     arrays are all-gathered (each a `jax.lax.with_sharding_constraint` to
-    replicated); in the backward pass their gradients are constrained back to the
-    shards (`lowtrain.train.array_spec`), so XLA reduce-scatters them there. The
+    replicated over the FSDP axis; still split over "tensor" where the Trainer's
+    `axis_names` say); in the backward pass their gradients are constrained back to
+    the shards (`Trainer.layout`), so XLA reduce-scatters them there. The arrays'
+    paths within `layer` are matched by `axis_names`, so a slice of a stacked
+    layer is named as the stack is. The
     values are unchanged: a step computes what replicated data parallelism does.
     Each gathered array is named `GATHERED` for `jax.checkpoint` policies.
 
@@ -154,23 +159,62 @@ def gather_layer(layer: PyTree) -> PyTree:
     if step is None:
         return layer
     step.called = True
-    if step.mesh is None or step.mesh.size == 1:
+    if step.layout.fsdp_axis is None:
         return layer
-    mesh = step.mesh
     params, static = eqx.partition(layer, eqx.is_inexact_array)
-    return eqx.combine(_gather(mesh, params), static)
+    return eqx.combine(_gather(step.layout, params), static)
 
 
-def _gather(mesh: Mesh, params: PyTree) -> PyTree:
+def _gather(layout: Layout, params: PyTree) -> PyTree:
     @jax.custom_vjp
     def gather(params):
-        return constrain_state(mesh, "replicated", params)
+        return layout.constrain(params, gathered=True)
 
     def forward(params):
         return gather(params), None
 
     def backward(_, grads):
-        return (constrain_state(mesh, "fsdp", grads),)
+        return (layout.constrain(grads),)
 
     gather.defvjp(forward, backward)
     return jax.tree.map(lambda x: checkpoint_name(x, GATHERED), gather(params))
+
+
+def logical_constraint(x: Array, names: tuple[str | None, ...]) -> Array:
+    """`x`, an activation whose dimensions have the logical axis `names` (one per
+    dimension; None: whole), constrained to the mesh axes the Trainer's
+    `axis_rules` give them (`jax.lax.with_sharding_constraint`), when traced in
+    the step of a Trainer whose mesh has a "tensor" axis; elsewhere `x` itself.
+
+    Tensor parallelism splits the weights by their names; this says where the
+    activations between them live, so that XLA keeps, for example, each device's
+    attention heads on that device (`("batch", None, "heads", None)` after the
+    query projection) instead of gathering them. A dimension whose size does not
+    divide by its mesh axes stays whole.
+
+    **Arguments:**
+
+    - `x`: an array.
+    - `names`: a tuple of logical axis names (keys of the Trainer's
+      `axis_rules`, such as "batch", "heads", "mlp") or None, one per dimension
+      of `x`.
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain
+
+    h = jnp.ones((8, 16, 64))  # (batch, sequence, MLP)
+    assert lowtrain.train.logical_constraint(h, ("batch", None, "mlp")) is h
+    ```
+    """
+    if len(names) != jnp.ndim(x):
+        raise ValueError(
+            f"Expected one logical axis name per dimension of `x` ({jnp.ndim(x)}), "
+            f"got {len(names)}: {names} instead."
+        )
+    step = _STEP.get()
+    if step is None or not step.layout.tensor_parallel:
+        return x
+    layout = step.layout
+    spec = layout.activation_spec(names, x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))

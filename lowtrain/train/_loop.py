@@ -287,7 +287,7 @@ class FitRun:
                 "rows. Check the data source (a filter that removed everything, a "
                 "dataset smaller than one batch)."
             )
-        batch = step_batch(trainer.devices, trainer.mesh, batch)
+        batch = step_batch(trainer.layout, batch)
         trainer.numerics.maybe_record(
             trainer._numerics_step, state, batch, s, self.metrics_file
         )

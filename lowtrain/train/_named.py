@@ -1,11 +1,13 @@
 """What the Trainer's `precision` argument means (`resolve`), and the precisions a
 name stands for beyond the policies: `Trainer(precision=name)` and `python -m
 lowtrain precision=name` build the same one for "fp8_delayed", "fp8_naive",
-"scalify_fp16" and "scalify_fp8" (`NAMED`). Their factories are public, with the
+"scalify_fp16", "scalify_fp8" and the block-scaled "mxfp8", "fp8_block" and "nvfp4"
+(`NAMED`). Their factories are public, with the
 fields the recipes' configs set."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import equinox as eqx
@@ -201,6 +203,86 @@ def scalify_fp8(policy: str = "p=f32,c=f16") -> Precision:
     return Chain(Scalify(policy), Rewrite(dict.fromkeys(MATMULS, scalify_fp8_op)))
 
 
+def block_scaled(
+    recipe: str = "mxfp8",
+    *,
+    weight_2d: bool | None = None,
+    hadamard: bool | None = None,
+    stochastic: bool | None = None,
+    grads: str | None = None,
+    keep: Sequence[str] = (),
+    min_dim: int = 0,
+) -> Precision:
+    """`precision="mxfp8"`, `"fp8_block"`, `"nvfp4"`: `Amp` with the policy of that
+    name (`lowtrain.get_policy`): every `dot_general` through
+    `lowtrain.fp8.block_recipe_dot` with the recipe `lowtrain.fp8.BLOCK_RECIPES`
+    names, its product in bfloat16; everything else as "bf16". Simulated:
+    each operand is quantized and dequantized, and the product computed in float32.
+
+    The weight of a matmul is the operand computed from a model parameter
+    (`lowtrain.Policy`'s `block`). The recipe's parts are switchable (None keeps
+    the recipe's own):
+
+    **Arguments:**
+
+    - `recipe`: "mxfp8" (MXFP8 E4M3, gradients too), "fp8_block" (DeepSeek-V3:
+      1x128 activations and gradients, 128x128 weights) or "nvfp4".
+    - `weight_2d`: weights in 2-D tiles of the block's length (NVFP4's 16x16, FP8's
+      128x128) rather than 1-D blocks like the activations'.
+    - `hadamard`: the 16x16 random Hadamard transform on the weight-gradient GEMM's
+      inputs (NVFP4's recipe: on).
+    - `stochastic`: the gradients rounded stochastically (NVFP4's recipe: on).
+    - `grads`: the gradients' `lowtrain.fp8.BlockFormat` by name, e.g.
+      "mxfp8_e5m2" (Transformer Engine's "HYBRID" MXFP8).
+    - `keep`: matmuls kept in bfloat16 (`jax.named_scope` names, or a name, `@`
+      and the right operand's shape: `lowtrain.unit_scaling.keep_scopes`), e.g. the
+      last layers, which NVIDIA's NVFP4 recipe keeps in BF16.
+    - `min_dim`: matmuls whose GEMM has an M, N or K below it kept in bfloat16 too
+      (`lowtrain.Policy.with_fp8_min_dim`).
+
+    ```python
+    import jax.numpy as jnp
+    import lowtrain
+
+    p = lowtrain.train.block_scaled("nvfp4", hadamard=False)
+    recipe = p.parts[-1].policy.block
+    assert recipe.stochastic and not recipe.hadamard
+    f = p.wrap_model(lambda x, w: x @ w)  # float32 out, as the policy's output
+    assert f(jnp.ones((2, 32)), jnp.ones((32, 16)))[0, 0] == 32.0
+    ```
+    """
+    policy = get_policy(recipe)
+    if policy.block is None:
+        raise ValueError(
+            "Expected a block-scaled recipe among 'mxfp8', 'fp8_block', 'nvfp4', got "
+            f"{recipe!r} instead."
+        )
+    block = policy.block
+    changes: dict = {}
+    if weight_2d is not None and bool(weight_2d) != (block.weights.block[0] > 1):
+        # On: the activations' format in square tiles of its block length; off:
+        # the activations' format itself.
+        act, length = block.activations, block.activations.block[1]
+        square = dataclasses.replace(
+            act, name=f"{act.name}_{length}x{length}", block=(length, length)
+        )
+        changes["weights"] = square if weight_2d else act
+    if hadamard is not None:
+        changes["hadamard"] = bool(hadamard)
+    if stochastic is not None:
+        changes["stochastic"] = bool(stochastic)
+    if grads is not None:
+        changes["grads"] = fp8.block_format(grads)
+    if changes:
+        policy = policy.with_block(dataclasses.replace(block, **changes))
+    policy = policy.with_fp8_min_dim(min_dim)
+    if not keep:
+        return Chain(Amp(policy))
+    # A kept matmul runs in `fp8.KEEP_SCOPE` (`keep_op`): in the compute dtype.
+    policy = policy.with_scopes({fp8.KEEP_SCOPE: "compute"})
+    return Chain(Rewrite({}, keep_scopes(list(keep), amax=True)), Amp(policy))
+
+
 # Each name and what it builds in Python (`python -m lowtrain precision=<name>`
 # builds the same from `conf/precision/<name>.yaml`).
 NAMED: dict[str, Callable[[], Precision]] = {
@@ -208,6 +290,9 @@ NAMED: dict[str, Callable[[], Precision]] = {
     "fp8_naive": naive_fp8,
     "scalify_fp16": lambda: Scalify("p=f32,c=f16"),
     "scalify_fp8": scalify_fp8,
+    "mxfp8": lambda: block_scaled("mxfp8"),
+    "fp8_block": lambda: block_scaled("fp8_block"),
+    "nvfp4": lambda: block_scaled("nvfp4"),
 }
 
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from .._amp import Policy
@@ -30,7 +31,7 @@ from ._metrics import mean_metrics
 from ._named import resolve, resolve_loss_scale
 from ._nnx import has_inplace_state, read_inplace_state
 from ._numerics import NumericsRecorder
-from ._placement import constrain_state, data_mesh, eval_batch, put_state, shard_batch
+from ._placement import eval_batch, make_layout, shard_batch
 from ._precisions import check_stored_alike
 from ._preemption import DEFAULT_STOP_SIGNALS
 from ._protocol import Precision
@@ -77,13 +78,31 @@ class Trainer:
       (default: exactly when the loss scale is a `NoOpLossScale`).
     - `learning_rate`: a number or an Optax schedule, for logging only, when the
       optimizer is not built with `optax.inject_hyperparams` (whose state is read).
-    - `devices`: the devices of a 1-D mesh "data" (default `jax.devices()`, of
-      every process): each batch is split along its leading axis, which must divide
-      by their number, and the gradients averaged by XLA.
-    - `sharding`: "replicated" (default) or "fsdp": parameters and optimizer state
-      split over "data" (`lowtrain.train.array_spec`), gathered where used: a
-      layer at a time where the model calls `lowtrain.train.gather_layer`, else
-      the whole model before the loss.
+    - `devices`: the devices to train on (default `jax.devices()`, of every
+      process): each batch is split along its leading axis, which must divide by
+      their number (by the data axes' devices on a `mesh`), and the gradients
+      averaged by XLA.
+    - `mesh`: the devices as a mesh with named axes, a dict of sizes such as
+      `{"data": 2, "fsdp": 2, "tensor": 2}` (one size may be -1: the devices
+      left) or a `jax.sharding.Mesh` of those axis names; default one axis
+      "data". "data" and "fsdp" split the batch; "fsdp" also splits the state;
+      "tensor" splits the arrays `axis_names` names (tensor parallelism), its
+      devices seeing the same batch. `Trainer.layout` holds the result.
+    - `sharding`: "replicated" or "fsdp": parameters and optimizer state split
+      over the mesh's "fsdp" axis (or "data" on a mesh without one), gathered
+      where used: a layer at a time where the model calls
+      `lowtrain.train.gather_layer`, else the whole model before the loss.
+      Default: "fsdp" on a mesh with an "fsdp" axis, else "replicated".
+    - `axis_names`: the logical axis names of the model's arrays: a dict (or
+      pairs) from a regular expression searched in an array's path (such as
+      `r"qkv\\.kernel$"`, which also matches its optimizer moments) to the names
+      of its last dimensions (`("embed", "heads")`). The arrays they match are
+      split as `axis_rules` say; the others by the shape rule of
+      `lowtrain.train.array_spec`. Needed for a "tensor" axis.
+    - `axis_rules`: a dict from logical axis names to mesh axes (a name, a tuple
+      of names, or None: whole), over the defaults `lowtrain.train.AXIS_RULES`
+      ("embed" over "fsdp"; "heads", "mlp" and "vocab" over "tensor";
+      "batch" over "data" and "fsdp").
     - `remat`: what the backward pass of a layer under
       `lowtrain.train.remat_layer` recomputes instead of saving: "none" (the
       default), "dots" (all but the matmuls' outputs) or "full" (all but the
@@ -141,7 +160,10 @@ class Trainer:
         stop_on_nonfinite: bool | None = None,
         learning_rate: Callable[[Any], Any] | float | None = None,
         devices: Sequence[jax.Device] | None = None,
-        sharding: str = "replicated",
+        mesh: Mapping[str, int] | Mesh | None = None,
+        sharding: str | None = None,
+        axis_names: Mapping[str, Sequence[str | None]] | None = None,
+        axis_rules: Mapping[str, str | Sequence[str] | None] | None = None,
         remat: str = "none",
         grad_accum: int = 1,
         numerics_every: int | None = None,
@@ -168,7 +190,11 @@ class Trainer:
         )
         self._divergence = DivergenceCheck(diverge_factor, diverge_patience)
         self.learning_rate = learning_rate
-        self.devices, self.mesh, self.sharding = data_mesh(devices, sharding)
+        self.devices, self.layout = make_layout(
+            devices, mesh, sharding, axis_names, axis_rules
+        )
+        self.mesh: Mesh = self.layout.mesh
+        self.sharding: str = self.layout.sharding
         self.remat = check_remat(remat)
         self.optimizer = skip_nonfinite(optimizer, self.devices)
         self.hooks: list[Hook] = []
@@ -237,7 +263,7 @@ class Trainer:
             inplace=inplace,
         )
         metrics = step_metrics(loss, aux, grads, finite, state, new)
-        return constrain_state(self.mesh, self.sharding, new), metrics
+        return self.layout.constrain(new), metrics
 
     # -- hooks -------------------------------------------------------------------
 
@@ -260,7 +286,7 @@ class Trainer:
         sees them (`to_optimizer`), and both stored as the precision carries them.
         """
         state = self._fresh_state(self.precision, key)
-        return put_state(self.mesh, self.sharding, state)
+        return self.layout.put(state)
 
     def _fresh_state(self, precision: Precision, key) -> TrainState:
         model = precision.cast_params(self.model)
@@ -311,7 +337,7 @@ class Trainer:
         In a multi-process run each process passes its own part of the global batch
         (`jax.make_array_from_process_local_data`).
         """
-        return shard_batch(self.devices, self.mesh, batch)
+        return shard_batch(self.layout, batch)
 
     def loss_and_grads(self, state: TrainState, batch: PyTree):
         """`train_step` up to the gradients (traced, as `train_step` is): returns
@@ -327,8 +353,7 @@ class Trainer:
             self.precision,
             grad_accum=self.grad_accum,
             redo_on_nan=self.redo_on_nan,
-            mesh=self.mesh,
-            sharding=self.sharding,
+            layout=self.layout,
             remat=self.remat,
             # A Flax NNX model changes in place: not traced twice.
             layered=not self._inplace,
@@ -388,7 +413,7 @@ class Trainer:
         """
 
         def evaluate(batch):
-            placed = eval_batch(self.devices, self.mesh, batch)
+            placed = eval_batch(self.layout, batch)
             return self._compiled_eval(state.model, placed, state.model_state)[1]
 
         return mean_metrics(evaluate, data)

@@ -1,6 +1,6 @@
 """What the Trainer's step holds per device on N devices, planned without allocating
 anything: the recipes' GPT built on shapes only (`eqx.filter_eval_shape`), its
-`TrainState` placed as the Trainer places it (`lowtrain.train.array_spec`), and the
+`TrainState` placed as the Trainer places it (`Trainer.layout`), and the
 step (`precision.wrap_step(train_step)`, what `Trainer.compiled_step` runs) lowered
 on abstract arrays and compiled for N devices of a 1-D "data" mesh; XLA's memory
 analysis of the compiled step gives, per device:
@@ -15,12 +15,21 @@ analysis of the compiled step gives, per device:
 
 On a CPU, N host devices are forced by `XLA_FLAGS=--xla_force_host_platform_device_
 count` (the command re-runs itself with it); the figures are XLA's CPU buffer
-assignment, which computes 16-bit floats in float32 (a GPU's are smaller). The
-largest model that fits a budget per device (`--budget-gib`, default an 80 GiB
-H100) is the widest of `--widths` whose step fits, at the model's depth.
+assignment, which computes 16-bit floats in float32 (a GPU's are smaller).
+
+`--largest` finds, for each layout and each width of `--widths`, the deepest GPT of
+the family (width w: w / 128 heads, MLP 4w, context 2048, GPT-2's vocabulary,
+batch 8, scanned blocks, `trainer.remat` as `--set` gives it) whose step fits
+`--budget-gib` per device (default 80, an H100): the step planned at 2 and 4
+blocks gives the bytes per block (a scanned block's state and saved activations
+are the same at every depth) and the depth the budget allows; the step planned at
+that depth checks it, and a line through the last two planned depths gives the
+next until it gives one already planned. The row is the deepest planned depth
+that fits.
 
     python scripts/bench.py memory                         # gpt_8x512, N = 1 2 4 8
     python scripts/bench.py memory --models gpt_1b,gpt_7b --devices 8
+    python scripts/bench.py memory --largest --devices 8 --set trainer.remat=dots
 """
 
 from __future__ import annotations
@@ -37,9 +46,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-import lowtrain
 from lowtrain.recipes import gpt
 from lowtrain.recipes import internal as recipes
 from lowtrain.recipes.internal import decay_mask
@@ -84,13 +91,29 @@ MODELS = {
         50304,
     ),
 }
-LAYOUTS = ("replicated", "fsdp")
+# Layout -> the Trainer's options on N devices (None: not on N).
+LAYOUTS = {
+    "replicated": lambda n: {"sharding": "replicated"},
+    "fsdp": lambda n: {"sharding": "fsdp"},
+    # FSDP x tensor parallelism: {fsdp: N/2, tensor: 2}, the GPT's logical axes.
+    "fsdp_tp": lambda n: (
+        None
+        if n < 2 or n % 2
+        else {"mesh": {"fsdp": n // 2, "tensor": 2}, "sharding": "fsdp"}
+    ),
+    # Data parallel x tensor parallelism: {data: N/2, tensor: 2}.
+    "tp": lambda n: (
+        None
+        if n < 2 or n % 2
+        else {"mesh": {"data": n // 2, "tensor": 2}, "sharding": "replicated"}
+    ),
+}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 
 
 def build(model: str, precision: str, layout: str, n: int, extra=()):
     """`(trainer, abstract state, abstract batch)` of `model` in `precision` on the
-    first `n` devices with `layout` ("replicated" or "fsdp")."""
+    first `n` devices with `layout` (a key of `LAYOUTS`)."""
     overrides, vocab = MODELS[model]
     recipe = throughput.RECIPES[precision]
     cfg, config = throughput.compose_config(recipe, [*overrides, *extra])
@@ -100,7 +123,8 @@ def build(model: str, precision: str, layout: str, n: int, extra=()):
     optimizer = recipes.optimizer(cfg, config.trainer.steps, decay_mask, abstract)
     options = {
         **recipes.trainer_options(config),
-        "sharding": layout,
+        **LAYOUTS[layout](n),
+        "axis_names": gpt.AXIS_NAMES,
         "devices": jax.devices()[:n],
     }
     trainer = trainer_class(abstract, optimizer, **options)
@@ -109,15 +133,11 @@ def build(model: str, precision: str, layout: str, n: int, extra=()):
         return trainer_class(make(k)[0], optimizer, **options).init(key=k)
 
     state = eqx.filter_eval_shape(fresh, key)
-    placed = lambda x: jax.ShapeDtypeStruct(
-        x.shape,
-        x.dtype,
-        sharding=NamedSharding(
-            trainer.mesh, lowtrain.train.array_spec(x.shape, n, layout)
-        ),
+    placed = lambda x, sharding: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding
     )
-    state = jax.tree.map(placed, state)
-    batch_sharding = NamedSharding(trainer.mesh, P("data"))
+    state = jax.tree.map(placed, state, trainer.layout.shardings(state))
+    batch_sharding = NamedSharding(trainer.mesh, trainer.layout.batch_spec())
     shape = (config.trainer.batch_size, config.model.block_size)
     batch = {
         k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch_sharding)
@@ -219,6 +239,68 @@ def measure(model: str, precision: str, layout: str, n: int, extra=()) -> dict:
     }
 
 
+GiB = 2**30
+
+
+def family(width: int, layers: int) -> list[str]:
+    """The overrides of the family's GPT of `width` and `layers` blocks."""
+    return [
+        "model=gpt_1b",
+        f"model.n_layer={layers}",
+        f"model.n_head={width // 128}",
+        f"model.n_embd={width}",
+        "model.scan_layers=true",
+        "trainer.batch_size=8",
+    ]
+
+
+def largest(layout: str, width: int, n: int, budget: float, precision, extra):
+    """The deepest GPT of `width` whose step fits `budget` bytes per device with
+    `layout` on `n` devices: a row of the search (see the module docstring)."""
+
+    def plan(depth):
+        overrides = [*family(width, depth), *extra]
+        row = measure("gpt_1b", precision, layout, n, overrides)
+        return row["arguments"] + row["temporaries"], depth, row["parameters"]
+
+    # A line through the last two planned depths gives the next, until it gives
+    # one already planned.
+    points = [plan(2), plan(4)]
+    row = {"layout": layout, "devices": n, "width": width}
+    for _ in range(6):
+        (b0, d0, _), (b1, d1, _) = points[-2:]
+        per_block = (b1 - b0) / (d1 - d0)
+        rest = b1 - d1 * per_block
+        depth = int((budget - rest) // per_block) if per_block > 0 else 0
+        row.update(bytes_per_block=per_block, bytes_outside_blocks=rest)
+        if depth < 1 or any(depth == d for _, d, _ in points):
+            break
+        points.append(plan(depth))
+    fits = [p for p in points if p[0] <= budget]
+    if not fits:
+        return {**row, "layers": 0, "parameters": 0, "planned": None}
+    planned, depth, parameters = max(fits, key=lambda p: p[1])
+    return {**row, "layers": depth, "parameters": parameters, "planned": planned}
+
+
+def largest_table(rows: list[dict], budget: float) -> str:
+    lines = [
+        f"| layout | devices | width | GiB per block | GiB outside the blocks "
+        f"| blocks that fit {budget / GiB:.0f} GiB | parameters | planned at that "
+        "depth (GiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        planned = "-" if r["planned"] is None else f"{r['planned'] / GiB:.1f}"
+        lines.append(
+            f"| {r['layout']} | {r['devices']} | {r['width']} "
+            f"| {r['bytes_per_block'] / GiB:.2f} "
+            f"| {r['bytes_outside_blocks'] / GiB:.1f} "
+            f"| {r['layers']} | {r['parameters'] / 1e9:.1f}B | {planned} |"
+        )
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of `rows`, each total against replicated at its N."""
     base = {
@@ -251,12 +333,20 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt_8x512", help=",".join(MODELS))
     parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--layouts", default="replicated,fsdp,fsdp_tp")
     parser.add_argument("--devices", default="1,2,4,8")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--largest", action="store_true", help="search the deepest GPT that fits"
+    )
+    parser.add_argument("--budget-gib", type=float, default=80.0)
+    parser.add_argument("--widths", default="2048,4096,8192")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.devices.split(",")]
+    unknown = sorted(set(args.layouts.split(",")) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"expected --layouts among {', '.join(LAYOUTS)}, got {unknown}")
     if len(jax.devices()) < max(counts):
         if jax.default_backend() != "cpu":
             sys.exit(f"Expected {max(counts)} devices, got {len(jax.devices())}.")
@@ -268,10 +358,29 @@ def main(argv=None) -> None:
         argv = sys.argv[1:] if argv is None else ["memory", *argv]
         script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bench.py")
         sys.exit(subprocess.call([sys.executable, script, *argv], env=env))
+    if args.largest:
+        budget = args.budget_gib * GiB
+        found = []
+        for layout in args.layouts.split(","):
+            for width in (int(w) for w in args.widths.split(",")):
+                for n in counts:
+                    if LAYOUTS[layout](n) is None:
+                        continue
+                    found.append(
+                        largest(layout, width, n, budget, args.precision, args.set)
+                    )
+                    print(largest_table(found, budget).splitlines()[-1], flush=True)
+        print("\n" + largest_table(found, budget))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(found, f, indent=2)
+        return
     rows = []
     for model in args.models.split(","):
         for n in counts:
             for layout in args.layouts.split(","):
+                if LAYOUTS[layout](n) is None:
+                    continue
                 rows.append(measure(model, args.precision, layout, n, args.set))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     print("\n" + table(rows))
