@@ -41,6 +41,10 @@ RECIPES = {
     "fp8": "gpt_fp8",
     "fp8_delayed": "gpt_fp8_delayed",
     "scalify_fp8": "gpt_scalify_fp8",
+    # Block-scaled, simulated (`lowtrain.train.block_scaled`).
+    "mxfp8": "gpt_mxfp8",
+    "fp8_block": "gpt_fp8_block",
+    "nvfp4": "gpt_nvfp4",
     "unit_fp32": "gpt_unit_fp32",
     "unit_bf16": "gpt_unit_bf16",
     "unit_fp16": "gpt_unit_fp16",
@@ -56,6 +60,10 @@ PEAK_DTYPE = {
     "fp8": "fp8",
     "fp8_delayed": "fp8",
     "scalify_fp8": "fp8",
+    # Simulated: quantised, dequantised, multiplied in bf16 GEMMs.
+    "mxfp8": "bf16",
+    "fp8_block": "bf16",
+    "nvfp4": "bf16",
     "unit_fp32": "tf32",
     "unit_bf16": "bf16",
     "unit_fp16": "fp16",
