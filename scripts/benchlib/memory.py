@@ -35,6 +35,7 @@ that fits.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -182,10 +183,14 @@ _BYTES = {
 }
 
 
-def collective_bytes(hlo: str) -> dict[str, int]:
+FLOATS = ("bf16", "f16", "f32", "f64", "f8e4m3fn", "f8e5m2")
+
+
+def collective_bytes(hlo: str, dtypes=tuple(_BYTES)) -> dict[str, int]:
     """Bytes written per device by each kind of collective in the optimized `hlo`
-    text: each op's result shape(s), an op inside a while loop's body times the
-    trip count XLA records for it (`known_trip_count`), else once."""
+    text: each op's result shape(s) of `dtypes` (HLO's names; default all), an op
+    inside a while loop's body times the trip count XLA records for it
+    (`known_trip_count`), else once."""
     bodies = {}  # computation name -> trip count of the loop it is the body of
     for line in hlo.splitlines():
         body = re.search(r"body=%?([\w.\-]+)", line)
@@ -205,9 +210,16 @@ def collective_bytes(hlo: str) -> dict[str, int]:
                 size = sum(
                     _BYTES[d] * math.prod(int(x) for x in s.split(",") if x)
                     for d, s in _SHAPE.findall(result)
+                    if d in dtypes
                 )
                 totals[kind] += size * trips
     return totals
+
+
+def _ways(mesh, spec) -> int:
+    # The number of parts `spec` splits an array into on `mesh`.
+    parts = [(p,) if isinstance(p, str) else p for p in spec if p]
+    return math.prod(mesh.shape[a] for part in parts for a in part)
 
 
 def measure(model: str, precision: str, layout: str, n: int, extra=()) -> dict:
@@ -220,12 +232,20 @@ def measure(model: str, precision: str, layout: str, n: int, extra=()) -> dict:
         eqx.filter(state.model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     )
     params = sum(math.prod(x.shape) for x in arrays)
-    # The bytes of the parameters the layout splits: what gathering them moves.
-    split = sum(
-        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-        for x in arrays
-        if not x.sharding.is_fully_replicated
-    )
+    # The bytes of the parameters the layout splits, and per device what an
+    # all-gather of each over the FSDP axis writes (whole, or still split over
+    # "tensor"), by the model's field they are in.
+    placement, split, gathered = trainer.layout, 0, collections.Counter()
+    for path, x in jax.tree_util.tree_flatten_with_path(state.model)[0]:
+        if not isinstance(x, jax.ShapeDtypeStruct) or x.sharding.is_fully_replicated:
+            continue
+        nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        split += nbytes
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        whole = placement.spec(name, x.shape, gathered=True)
+        if whole != placement.spec(name, x.shape):
+            field = jax.tree_util.keystr(path[:1], simple=True)
+            gathered[field] += nbytes // _ways(placement.mesh, whole)
     return {
         "model": model,
         "precision": precision,
@@ -233,9 +253,12 @@ def measure(model: str, precision: str, layout: str, n: int, extra=()) -> dict:
         "devices": n,
         "parameters": params,
         "split_parameter_bytes": split,
+        "gathered_bytes_by_field": dict(gathered),
         "arguments": analysis.argument_size_in_bytes,
         "temporaries": analysis.temp_size_in_bytes,
         "collectives": collectives,
+        # The all-gathers of floats: the parameters' (not the integer labels').
+        "float_all_gather": collective_bytes(compiled.as_text(), FLOATS)["all-gather"],
     }
 
 
