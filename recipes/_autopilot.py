@@ -14,6 +14,8 @@ matmul wide at call time), so the state carries over from one plan to the next a
 is.
 
     python -m lowtrain recipe=gpt precision=fp8_naive precision.auto=true
+    python -m lowtrain recipe=gpt precision=nvfp4 precision.auto=true \\
+        'precision.formats=[nvfp4,mxfp8,fp8]'
 """
 
 from __future__ import annotations
@@ -29,12 +31,20 @@ import lowtrain
 from ._config import AUTO_FIELDS
 
 
-def build_precision(precision_config, keep: Sequence[str]):
+def build_precision(
+    precision_config,
+    keep: Sequence[str],
+    routes: Sequence[str] | None = None,
+    base: str | None = None,
+):
     """The `lowtrain.train.Precision` that `precision_config` (an FP8 precision's
-    config dataclass) builds with `keep` as its `precision.keep`."""
+    config dataclass) builds with `keep` as its `precision.keep` (and, for a
+    block-scaled one choosing formats, `routes` and `base` as its own)."""
     fields = dataclasses.asdict(precision_config)
     fields.pop("name")
     fields["keep"] = list(keep)
+    if routes is not None:
+        fields["routes"], fields["base"] = list(routes), base
     return hydra.utils.instantiate(fields)
 
 
@@ -48,8 +58,7 @@ def autopilot(precision_config, out: pathlib.Path | None) -> lowtrain.train.Auto
             "Expected an FP8 precision config with `auto=true` for the autopilot, "
             f"got {type(p).__name__} with auto={getattr(p, 'auto', None)!r} instead."
         )
-    return lowtrain.train.Autopilot(
-        lambda keep: build_precision(p, keep),
+    common = dict(
         every=p.auto_every,
         batches=p.auto_batches,
         max_flush_fwd=p.auto_max_flush_fwd,
@@ -58,4 +67,15 @@ def autopilot(precision_config, out: pathlib.Path | None) -> lowtrain.train.Auto
         min_dim=getattr(p, "min_dim", 0),
         keep=list(getattr(p, "keep", [])),
         directory=out,
+    )
+    formats = getattr(p, "formats", None)
+    if formats is None:
+        return lowtrain.train.Autopilot(lambda keep: build_precision(p, keep), **common)
+    return lowtrain.train.Autopilot(
+        lambda keep, routes, base: build_precision(p, keep, routes, base),
+        formats=list(formats),
+        max_error_fwd=p.auto_max_error_fwd,
+        max_error_bwd=p.auto_max_error_bwd,
+        min_share=p.auto_min_share,
+        **common,
     )

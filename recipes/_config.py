@@ -85,10 +85,11 @@ class Fp8AutoConfig:
     auto_max_flush_bwd: float = 0.005  # backward (E5M2) casts: the gradient
     auto_max_saturate: float = 0.001  # any cast: most clipped at the format's max
 
-    def _check_auto(self) -> None:
+    def _check_auto(self, extra: tuple[str, ...] = ()) -> None:
         _positive(self.auto_batches, "precision.auto_batches")
         _positive(self.auto_every, "precision.auto_every")
-        for name in ("auto_max_flush_fwd", "auto_max_flush_bwd", "auto_max_saturate"):
+        fractions = ("auto_max_flush_fwd", "auto_max_flush_bwd", "auto_max_saturate")
+        for name in (*fractions, *extra):
             value = getattr(self, name)
             if not 0 <= value <= 1:
                 raise ValueError(
@@ -176,10 +177,12 @@ class ScalifyPrecisionConfig:
 
 
 @dataclass
-class BlockPrecisionConfig:
+class BlockPrecisionConfig(Fp8AutoConfig):
     """The block-scaled precisions (`mxfp8`, `fp8_block`, `nvfp4`): every matmul
     through `lowtrain.fp8.block_recipe_dot` with the recipe `recipe` names
-    (`lowtrain.train.block_scaled`); each part null keeps the recipe's own."""
+    (`lowtrain.train.block_scaled`); each part null keeps the recipe's own. With
+    `auto` and `formats`, the autopilot chooses each matmul's format among
+    `formats` (or wide) from what its casts lose in each."""
 
     name: str = MISSING
     _target_: str = "lowtrain.recipes.precisions.block_scaled"
@@ -187,13 +190,39 @@ class BlockPrecisionConfig:
     weight_2d: bool | None = None  # weights in square tiles (16x16, 128x128)
     hadamard: bool | None = None  # 16x16 random Hadamard on the wgrad GEMM's inputs
     stochastic: bool | None = None  # gradients rounded stochastically
-    grads: str | None = None  # the gradients' block format, e.g. mxfp8_e5m2
+    grads: str | None = None  # the gradients' block format, e.g. mxfp8_e5m2_ceil
     # matmuls kept bf16: scope or scope@rhs-shape (`lowtrain.unit_scaling.keep_scopes`)
     keep: list[str] = field(default_factory=list)
+    # matmuls in another format: "<scope or scope@shape>=<format>", e.g.
+    # ["...qk,...kd->...qd=mxfp8"]; formats nvfp4, mxfp8, fp8_block, fp8
+    routes: list[str] = field(default_factory=list)
+    base: str | None = None  # the format of the other matmuls (null: `recipe`)
     min_dim: int = 0  # matmuls with an M, N or K below this stay bf16
+    # With `auto`: the formats a matmul may take, most aggressive first (null: the
+    # recipe's or wide, as the FP8 autopilot decides), e.g. [nvfp4, mxfp8, fp8]
+    formats: list[str] | None = None
+    auto_max_error_fwd: float = 0.15  # forward casts: largest relative RMS error
+    auto_max_error_bwd: float = 0.3  # backward casts (the gradient)
+    auto_min_share: float = 0.02  # a 4-bit format only with this share of FLOPs
 
     def __post_init__(self):
         _at_least(self.min_dim, 0, "precision.min_dim")
+        self._check_auto(("auto_max_error_fwd", "auto_max_error_bwd", "auto_min_share"))
+        if self.formats is not None and not self.auto:
+            raise ValueError(
+                f"Expected `precision.formats` only with `precision.auto=true` (the "
+                f"autopilot chooses among them), got formats={list(self.formats)} "
+                "and auto=false. Add `precision.auto=true`, or set each matmul's "
+                "format with `precision.routes`."
+            )
+
+
+BLOCK_AUTO_FIELDS = (
+    "formats",
+    "auto_max_error_fwd",
+    "auto_max_error_bwd",
+    "auto_min_share",
+)
 
 
 @dataclass

@@ -165,11 +165,19 @@ def _train(task: Task, config: Config, cfg: DictConfig, out: pathlib.Path, main:
     )
     if results.get("auto"):
         auto = results["auto"]
-        print(
-            f"autopilot: FP8 on {auto['fp8_share']:.1%} of matmul FLOPs at the end "
-            f"({auto['fp8_share_run']:.1%} over the run, {auto['plans']} plans); "
-            f"plan.json, plan.txt"
-        )
+        shares = auto.get("shares") or {}
+        if set(shares) - {"fp8", "wide"}:  # formats chosen per matmul
+            what = ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
+            print(
+                f"autopilot: matmul FLOPs at the end {what} ({auto['plans']} plans); "
+                "plan.json, plan.txt"
+            )
+        else:
+            print(
+                f"autopilot: FP8 on {auto['fp8_share']:.1%} of matmul FLOPs at the "
+                f"end ({auto['fp8_share_run']:.1%} over the run, {auto['plans']} "
+                "plans); plan.json, plan.txt"
+            )
     print(
         f"outputs: {out} (summary.json, metrics.jsonl, "
         f"{', '.join(p.name for p in plots)}, checkpoints/)"

@@ -40,7 +40,7 @@ from lowtrain.train import (
 )
 from lowtrain.unit_scaling import keep_scopes, parse_keep
 
-from ._config import AUTO_FIELDS, LossScale
+from ._config import AUTO_FIELDS, BLOCK_AUTO_FIELDS, LossScale
 from ._layers import Linear, _add_bias
 
 # The scope `jnp.einsum` gives the recipes' `Linear` (and `DelayedLinear`, which
@@ -132,11 +132,16 @@ def block_scaled(
     stochastic: bool | None = None,
     grads: str | None = None,
     keep: Sequence[str] = (),
+    routes: Sequence[str] = (),
+    base: str | None = None,
     min_dim: int = 0,
+    **auto,
 ) -> Precision:
     """`lowtrain.train.block_scaled(recipe, ...)`: the block-scaled precisions
     `mxfp8`, `fp8_block` and `nvfp4`, their recipe's parts as fields (None: the
-    recipe's own), what `Trainer(precision=recipe)` builds."""
+    recipe's own), what `Trainer(precision=recipe)` builds; the autopilot's fields
+    taken and ignored."""
+    _check_auto({k: v for k, v in auto.items() if k not in BLOCK_AUTO_FIELDS})
     return lowtrain.train.block_scaled(
         recipe,
         weight_2d=weight_2d,
@@ -144,6 +149,8 @@ def block_scaled(
         stochastic=stochastic,
         grads=grads,
         keep=list(keep),
+        routes=list(routes),
+        base=base,
         min_dim=min_dim,
     )
 

@@ -4,6 +4,7 @@
     python scripts/recipe_results.py --task gpt      # one task
     python scripts/recipe_results.py --table-only    # re-read the summaries in --out
     python scripts/recipe_results.py --unit          # the unit-scaled models
+    python scripts/recipe_results.py --block         # the block-scaled precisions
     python scripts/recipe_results.py --task gpt_gpu --precision fp32 \\
         --precision bf16 --precision fp8             # on a GPU: the GPU-size GPT
 
@@ -62,14 +63,46 @@ UNIT_TARGETS = {
     ("gpt_unit", "fp32"): ("gpt", "fp32", 0.05),  # the standard GPT, same steps
     ("gpt_unit", "fp8"): ("gpt_unit", "fp32", 0.03),
 }
+# The block-scaled precisions on the char-GPT, each held against gpt_bf16: (task,
+# name) -> (overrides, largest gap to bf16 or None: reported). NVFP4's recipe
+# (`recipe=gpt_nvfp4`: all four parts), each part switched off in turn over the
+# first 500 steps (task gpt500, against bf16 and the full recipe over as many), and
+# the autopilot choosing the format of each matmul (which must also keep at least
+# half of the matmul FLOPs in NVFP4).
+AUTO_FORMATS = [
+    "recipe=gpt_nvfp4",
+    "precision.keep=[]",
+    "precision.auto=true",
+    "precision.formats=[nvfp4,mxfp8,fp8]",
+]
+BLOCK_RUNS = {
+    ("gpt", "bf16"): (["recipe=gpt_bf16"], None),
+    ("gpt", "mxfp8"): (["recipe=gpt_mxfp8"], 0.01),
+    ("gpt", "fp8_block"): (["recipe=gpt_fp8_block"], None),
+    ("gpt", "nvfp4"): (["recipe=gpt_nvfp4"], 0.05),
+    ("gpt", "nvfp4_head_nvfp4"): (["recipe=gpt_nvfp4", "precision.keep=[]"], None),
+    ("gpt", "nvfp4_auto"): (AUTO_FORMATS, 0.03),
+    **{
+        ("gpt500", name): ([*overrides, "trainer.steps=500"], None)
+        for name, overrides in {
+            "bf16": ["recipe=gpt_bf16"],
+            "nvfp4": ["recipe=gpt_nvfp4"],
+            "nvfp4_no_weight_2d": ["recipe=gpt_nvfp4", "precision.weight_2d=false"],
+            "nvfp4_no_hadamard": ["recipe=gpt_nvfp4", "precision.hadamard=false"],
+            "nvfp4_no_stochastic": ["recipe=gpt_nvfp4", "precision.stochastic=false"],
+            "nvfp4_head_nvfp4": ["recipe=gpt_nvfp4", "precision.keep=[]"],
+        }.items()
+    },
+}
+AUTO_NVFP4_SHARE = 0.5  # the autopilot's NVFP4 share of the matmul FLOPs, at least
 # The standard GPT's lines of docs/results.md (this script, seed 0), used when --out
 # does not hold those runs: the unit-scaled lines need not rerun them.
-DOCUMENTED_GPT = {"fp32": 1.6645, "fp8_naive": 3.5440}
+DOCUMENTED_GPT = {"fp32": 1.6645, "fp8_naive": 3.5440, "bf16": 1.6602}
 
 
 def run(task: str, precision: str, out: pathlib.Path) -> None:
     name = f"{task}_{precision}"
-    overrides = {**RUNS, **UNIT_RUNS}[task, precision]
+    overrides = {**RUNS, **UNIT_RUNS, **_block_overrides()}[task, precision]
     command = [
         *(sys.executable, "-m", "lowtrain", *overrides),
         f"hydra.run.dir={out / name}",
@@ -178,6 +211,50 @@ def unit_table(out: pathlib.Path) -> str:
     return "\n".join(rows)
 
 
+def _block_overrides() -> dict:
+    return {key: overrides for key, (overrides, _) in BLOCK_RUNS.items()}
+
+
+def block_table(out: pathlib.Path) -> str:
+    """The block-scaled precisions' table: each line against the bf16 line of its
+    task (gpt: `--out`'s gpt_bf16, or the documented one; gpt500: its own)."""
+    rows = [
+        "| steps | precision | val loss | vs bf16 | target | matmul FLOPs | "
+        "time (s) | overrides |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (task, name), (overrides, limit) in BLOCK_RUNS.items():
+        steps = 500 if task == "gpt500" else 2000
+        shown_overrides = " ".join(overrides)
+        summary = _summary(out, task, name)
+        if summary is None:
+            continue  # not run
+        value = summary["final"]["val_loss"]
+        base = _summary(out, task, "bf16")
+        gap = None if base is None else value - base["final"]["val_loss"]
+        delta = "" if gap is None or name == "bf16" else f"{gap:+.4f}"
+        auto = summary.get("auto")
+        shares = (auto or {}).get("shares") or {}
+        formats = ", ".join(f"{k} {v:.1%}" for k, v in shares.items())
+        target = "reported"
+        if limit is not None and gap is not None:
+            met = abs(gap) <= limit
+            target = f"within {limit}"
+            if name == "nvfp4_auto":
+                met = met and shares.get("nvfp4", 0.0) >= AUTO_NVFP4_SHARE
+                target += f", NVFP4 >= {AUTO_NVFP4_SHARE:.0%}"
+            target += ": " + ("met" if met else "MISSED")
+        if summary.get("documented"):
+            shown, seconds = f"{value:.4f} (docs/results.md)", ""
+        else:
+            shown, seconds = f"{value:.4f}", f"{summary['seconds']:.0f}"
+        rows.append(
+            f"| {steps} | {name} | {shown} | {delta} | {target} | {formats} | "
+            f"{seconds} | `{shown_overrides}` |"
+        )
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -196,7 +273,23 @@ def main() -> None:
         action="store_true",
         help="the unit-scaled runs (UNIT_RUNS) and their table instead",
     )
+    parser.add_argument(
+        "--block",
+        action="store_true",
+        help="the block-scaled runs (BLOCK_RUNS) and their table instead; "
+        "--only NAME runs one (e.g. nvfp4_auto, gpt500_nvfp4_no_hadamard)",
+    )
+    parser.add_argument("--only", action="append", help="with --block: these runs")
     args = parser.parse_args()
+    if args.block:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for task, name in BLOCK_RUNS:
+            label = name if task == "gpt" else f"{task}_{name}"
+            if args.table_only or (args.only and label not in args.only):
+                continue
+            run(task, name, args.out)
+        print(block_table(args.out))
+        return
     tasks = args.task or ["mnist", "gpt"]
     if not args.unit and {"gpt_unit", "mnist_unit"} & set(tasks):
         parser.error("--task gpt_unit and mnist_unit need --unit")

@@ -308,3 +308,66 @@ def test_nnx_state_change_under_vmap_is_refused():
     with pytest.raises(TypeError, match="nnx.vmap"):
         jax.vmap(lowtrain.amp(model, "bf16"))(x)
     assert int(model.dropout.rngs.count[...]) == 0
+
+
+# -- block-scaled precisions -----------------------------------------------------------
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def _nvfp4_product(x, kernel, weight):
+    # The NVFP4 recipe's product of `x` and `kernel`, `weight` naming the weight.
+    y = lowtrain.fp8.block_recipe_dot(
+        x, kernel, DN, "nvfp4", weight=weight, out_dtype=jnp.bfloat16
+    )
+    return y.astype(F32)
+
+
+def test_nnx_linear_under_nvfp4_has_its_kernel_as_the_weight():
+    # An NNX module is a pytree: its kernel is a parameter, so NVFP4 quantizes it in
+    # 16x16 tiles (the activations in 1x16 blocks), as for an Equinox model.
+    layer = nnx.Linear(64, 32, use_bias=False, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    out = lowtrain.amp(layer, "nvfp4")(x)
+    kernel = layer.kernel[...]
+    assert jnp.array_equal(out, _nvfp4_product(x, kernel, "rhs"))
+    assert not jnp.array_equal(out, _nvfp4_product(x, kernel, None))
+
+
+def test_linen_dense_under_nvfp4_with_its_variables_bound():
+    # `model.apply` takes the variables as an argument, which `amp` cannot tell from
+    # an input: bound in an `eqx.Partial` (a pytree), they are the parameters.
+    import equinox as eqx
+
+    model = linen.Dense(32, use_bias=False)
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    variables = model.init(jax.random.key(0), x)
+    kernel = variables["params"]["kernel"]
+    bound = lowtrain.amp(eqx.Partial(model.apply, variables), "nvfp4")(x)
+    assert jnp.array_equal(bound, _nvfp4_product(x, kernel, "rhs"))
+    # Passed as an argument, the kernel is quantized as an activation (1x16).
+    loose = lowtrain.amp(model.apply, "nvfp4")(variables, x)
+    assert jnp.array_equal(loose, _nvfp4_product(x, kernel, None))
+
+
+def test_nnx_model_trains_with_the_trainer_in_mxfp8():
+    class Regression(lowtrain.Trainer):
+        def loss(self, model, batch, *, key):
+            return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(32, 64, rngs=rngs)
+            self.l2 = nnx.Linear(64, 32, rngs=rngs)
+
+        def __call__(self, x):  # a batch
+            return self.l2(jax.nn.relu(self.l1(x)))
+
+    x = jax.random.normal(jax.random.key(1), (64, 32))
+    data = lowtrain.ArrayBatches({"x": x, "y": jnp.sum(x[:, :4], 1)}, 16, seed=0)
+    trainer = Regression(Net(nnx.Rngs(0)), optax.sgd(0.02), precision="mxfp8")
+    state = trainer.init(key=jax.random.key(2))
+    before = trainer.run_evaluation(state, data)["loss"]
+    state = trainer.fit(state, data, steps=60, progress=False)
+    after = trainer.run_evaluation(state, data)["loss"]
+    assert after < 0.3 * before

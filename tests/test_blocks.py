@@ -18,7 +18,10 @@ from lowtrain import _compat
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
-NAMES = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4", "fp8_1x128", "fp8_128x128"]
+NAMES = [
+    *("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "nvfp4", "fp8_1x128", "fp8_128x128"),
+    *("mxfp8_e4m3_ceil", "mxfp8_e5m2_ceil"),
+]
 
 
 def _bits(a) -> list:
@@ -60,6 +63,8 @@ def test_named_formats():
         "nvfp4": (fp8.E2M1, (1, 16), fp8.E4M3, "amax", True),
         "fp8_1x128": (fp8.E4M3, (1, 128), F32, "amax", False),
         "fp8_128x128": (fp8.E4M3, (128, 128), F32, "amax", False),
+        "mxfp8_e4m3_ceil": (fp8.E4M3, (1, 32), fp8.E8M0, "pow2_ceil", False),
+        "mxfp8_e5m2_ceil": (fp8.E5M2, (1, 32), fp8.E8M0, "pow2_ceil", False),
     }
     assert list(fp8.BLOCK_FORMATS) == NAMES
     for name, fields in expected.items():
@@ -99,6 +104,9 @@ EXTREMES = {
     "fp8_1x128": ([448.0, 2**-6, 2**-9, 7 * 2**-9, -448.0], [126, 8, 1, 7, 254]),
     "fp8_128x128": ([448.0, 2**-6, 2**-9, 7 * 2**-9, -448.0], [126, 8, 1, 7, 254]),
 }
+# Scales rounded up: 448 / 448 and 57344 / 57344 are 1, a power of two already.
+EXTREMES["mxfp8_e4m3_ceil"] = EXTREMES["mxfp8_e4m3"]
+EXTREMES["mxfp8_e5m2_ceil"] = EXTREMES["mxfp8_e5m2"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -391,7 +399,11 @@ def test_agrees_with_jax_quantizer_mxfp8():
     # `amax / 448` up ("pow2_ceil"); with that rule the elements and scales are JAX's
     # bit for bit.
     x = _spread_blocks(0, 12)
-    ceil = dataclasses.replace(fp8.MXFP8_E4M3, name="ceil", scale_rule="pow2_ceil")
+    ceil = fp8.MXFP8_E4M3_CEIL  # the `mxfp8` recipe's format
+    assert ceil == dataclasses.replace(
+        fp8.MXFP8_E4M3, name="mxfp8_e4m3_ceil", scale_rule="pow2_ceil"
+    )
+    assert fp8.block_recipe("mxfp8").activations is ceil
     q = fp8.block_quantize(x, ceil)
     elements, scales = _jax_quantize(x, "mxfp8")
     assert (elements.dtype, scales.dtype) == (fp8.E4M3, fp8.E8M0)

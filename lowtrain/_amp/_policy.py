@@ -19,6 +19,7 @@ from ._rules import (  # noqa: E402
     ACTIONS,
     AMP_STOP_SCOPE,
     BLOCK,
+    BLOCK_NAMES,
     BLOCK_PRIMITIVES,
     DEFAULT_RULES,
     FP8,
@@ -173,21 +174,22 @@ class Policy(eqx.Module):
                     f"The 'fp8' action applies to {', '.join(FP8_PRIMITIVES)} only, "
                     f"got it for `{prim}`. Use 'compute' or a dtype name for other ops."
                 )
-            if act == BLOCK and prim not in BLOCK_PRIMITIVES:
+            if act in (BLOCK, *BLOCK_NAMES) and prim not in BLOCK_PRIMITIVES:
                 raise ValueError(
-                    f"The 'block' action applies to {', '.join(BLOCK_PRIMITIVES)} "
+                    f"The {act!r} action applies to {', '.join(BLOCK_PRIMITIVES)} "
                     f"only, got it for `{prim}`. Use 'compute' for convolutions."
                 )
         self.block = None if block is None else block_recipe(block)
-        if self.block is None and BLOCK in dict(self.rules).values():
+        self.scopes = _table(
+            {AMP_STOP_SCOPE: KEEP, **_mapping(scopes, "scopes")}, "scopes"
+        )
+        used = {*dict(self.rules).values(), *dict(self.scopes).values()}
+        if self.block is None and BLOCK in used:
             raise ValueError(
                 "Expected a `block` recipe with the 'block' action, got none. Pass "
                 "one, e.g. `Policy(..., block='mxfp8')`, or use a preset: "
                 "`get_policy('mxfp8')`."
             )
-        self.scopes = _table(
-            {AMP_STOP_SCOPE: KEEP, **_mapping(scopes, "scopes")}, "scopes"
-        )
         if residuals not in RESIDUALS:
             raise ValueError(
                 f"Expected `residuals` in {RESIDUALS}, got {residuals!r} instead. "
@@ -247,8 +249,30 @@ class Policy(eqx.Module):
         `lowtrain.fp8.BlockRecipe` or its name; `block` above)."""
         return self._replace(block=block)
 
+    @property
+    def blocks(self) -> bool:
+        """Whether a rule or scope runs a matmul block-scaled ("block" or a block
+        recipe's name)."""
+        used = {*dict(self.rules).values(), *dict(self.scopes).values()}
+        return bool(used & {BLOCK, *BLOCK_NAMES})
+
+    def recipe(self, action: str) -> BlockRecipe:
+        """The `lowtrain.fp8.BlockRecipe` a block action runs.
+
+        - `action`: "block" or a recipe's name ("mxfp8", "fp8_block", "nvfp4"):
+          `block` for "block" and for its own name, else the named recipe.
+        """
+        if action == BLOCK or (self.block is not None and self.block.name == action):
+            return self.block
+        return block_recipe(action)
+
     def action(self, primitive: str, scopes: tuple[str, ...]) -> str:
-        """The action for primitive `primitive` inside `scopes` (outermost first)."""
+        """The action for primitive `primitive` inside `scopes` (outermost first).
+        Inside `amp_stop` it is "keep", whatever scope is around it: lowtrain's own
+        FP8 ops run their internals there, also inside a scope a plan routes to
+        FP8."""
+        if AMP_STOP_SCOPE in scopes:
+            return KEEP
         act = match_scope(self.scopes, scopes)
         return dict(self.rules).get(primitive, WIDEST) if act is None else act
 

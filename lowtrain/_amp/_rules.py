@@ -14,6 +14,10 @@ A rule is an *action* (a string, so policies stay plain data that Hydra can writ
 - "block" (`dot_general` only): run through `lowtrain.fp8.block_recipe_dot` with
   the policy's `block` recipe (block-scaled MXFP8, DeepSeek-V3's FP8 tiles, NVFP4;
   simulated: quantize, dequantize, multiply), returning the compute dtype;
+- a block recipe's name, "mxfp8", "fp8_block" or "nvfp4" (`dot_general` only): as
+  "block", with that recipe (the policy's own `block` where it has that name, so
+  its switched parts hold), so that one policy can run each matmul in its own
+  format (`lowtrain.numerics.plan(formats=...)`'s choices, by scope);
 - a float dtype name ("float32", "bfloat16", ...): cast float inputs to that dtype.
 """
 
@@ -27,7 +31,9 @@ WIDEST = "widest"
 KEEP = "keep"
 FP8 = "fp8"
 BLOCK = "block"
-ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP, FP8, BLOCK)
+# Actions that run a named block recipe (`lowtrain.fp8.BLOCK_RECIPES`' keys).
+BLOCK_NAMES = ("mxfp8", "fp8_block", "nvfp4")
+ACTIONS = (COMPUTE, FLOAT32, WIDEST, KEEP, FP8, BLOCK, *BLOCK_NAMES)
 FP8_PRIMITIVES = ("dot_general", "conv_general_dilated")
 # Block scaling runs along one contracting dimension: matmuls only (a convolution
 # under a block policy runs in the compute dtype).

@@ -27,7 +27,21 @@ from .._interpret import (
 from ..fp8.internal import delayed_dot_config, static_dot_config
 from ._params import param_vars
 from ._policy import AMP_STOP_SCOPE, Policy, get_policy
-from ._rules import BLOCK, BLOCK_PRIMITIVES, COMPUTE, FLOAT32, FP8, KEEP, WIDEST
+from ._rules import (
+    BLOCK,
+    BLOCK_NAMES,
+    BLOCK_PRIMITIVES,
+    COMPUTE,
+    FLOAT32,
+    FP8,
+    KEEP,
+    WIDEST,
+)
+
+# The actions that run a matmul block-scaled, and those whose matmuls return the
+# compute dtype.
+_BLOCKS = (BLOCK, *BLOCK_NAMES)
+_NARROW = (COMPUTE, FP8, *_BLOCKS)
 
 
 def _is_float(dtype) -> bool:
@@ -62,7 +76,7 @@ class _AmpInterpreter(Interpreter):
 
     def eval_jaxpr(self, closed, args, *rest, **kwargs) -> list:
         if self.weights is None:
-            block = self.policy.block is not None and self.n_params
+            block = self.policy.blocks and self.n_params
             self.weights = param_vars(closed, self.n_params) if block else frozenset()
         return super().eval_jaxpr(closed, args, *rest, **kwargs)
 
@@ -85,14 +99,14 @@ class _AmpInterpreter(Interpreter):
             return eqn.bind(*invals)
         action = self.policy.action(name, eqn.scopes)
         invals = [jnp.asarray(v) if not hasattr(v, "dtype") else v for v in invals]
-        if action in (FP8, BLOCK) and self._too_small(eqn):
+        if action in (FP8, *_BLOCKS) and self._too_small(eqn):
             action = COMPUTE
-        if action == BLOCK and not self._blockable(eqn):
+        if action in _BLOCKS and not self._blockable(eqn):
             action = COMPUTE
         if action == FP8:
             return [self._fp8(eqn, *invals)]
-        if action == BLOCK:
-            return [self._block(eqn, *invals)]
+        if action in _BLOCKS:
+            return [self._block(eqn, self.policy.recipe(action), *invals)]
         if name in SCATTERS:
             return [self._scatter(eqn, action, *invals)]
         if name in COMBINER_PRIMITIVES:
@@ -206,9 +220,9 @@ class _AmpInterpreter(Interpreter):
         free = lhs - len(lc) - len(lb) > 0 and rhs - len(rc) - len(rb) > 0
         return len(lc) == 1 and len(rc) == 1 and free
 
-    def _block(self, eqn: Eqn, lhs, rhs):
+    def _block(self, eqn: Eqn, recipe, lhs, rhs):
         # The weight: the operand computed from a parameter (the right one if both
-        # are; none for a product of activations), as `Policy.block` says.
+        # are; none for a product of activations), in `recipe`'s weight format.
         weights = self.weights or frozenset()
         lhs_w, rhs_w = (
             not isinstance(v, _compat.Literal) and v in weights for v in eqn.invars
@@ -219,7 +233,7 @@ class _AmpInterpreter(Interpreter):
             lhs,
             rhs,
             dn,
-            self.policy.block,
+            recipe,
             weight=weight,
             out_dtype=self.policy.compute_dtype,
         )
@@ -243,7 +257,7 @@ class _AmpInterpreter(Interpreter):
             return self._as_written(eqn, (lhs, rhs, *state))[0]
         dn, treedef = config
         state = [_cast(v, a.dtype) for v, a in zip(state, eqn.in_avals[2:])]
-        if action in (COMPUTE, FP8, BLOCK):
+        if action in _NARROW:
             out = self.policy.compute_dtype
         else:
             out = self._target(action, [lhs, rhs], eqn.weak[:2])
@@ -259,7 +273,7 @@ class _AmpInterpreter(Interpreter):
         if action == KEEP:
             return self._as_written(eqn, (lhs, rhs))[0]
         dn, scales, rounding = config
-        if action in (COMPUTE, FP8, BLOCK):
+        if action in _NARROW:
             out = self.policy.compute_dtype
         else:
             out = self._target(action, [lhs, rhs], eqn.weak)

@@ -13,7 +13,9 @@ from ._blocks import FP8_1X128 as FP8_1X128
 from ._blocks import FP8_128X128 as FP8_128X128
 from ._blocks import MXFP4 as MXFP4
 from ._blocks import MXFP8_E4M3 as MXFP8_E4M3
+from ._blocks import MXFP8_E4M3_CEIL as MXFP8_E4M3_CEIL
 from ._blocks import MXFP8_E5M2 as MXFP8_E5M2
+from ._blocks import MXFP8_E5M2_CEIL as MXFP8_E5M2_CEIL
 from ._blocks import NVFP4 as NVFP4
 from ._blocks import BlockFormat as BlockFormat
 from ._blocks import BlockScaled as BlockScaled

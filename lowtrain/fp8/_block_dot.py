@@ -11,8 +11,14 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, PRNGKeyArray
 
-from ._blocks import BlockFormat, block_format, block_quantize
-from ._dot import _exact, _normal_dn
+from ._blocks import (
+    BlockFormat,
+    _axes,
+    _block_quantize,
+    block_format,
+    block_site,
+)
+from ._dot import _exact, _normal_dn, gemm_of
 
 F32 = jnp.dtype(jnp.float32)
 
@@ -149,6 +155,14 @@ def block_dot_general(
     g_lhs_free = list(range(nb, nb + nl))
     g_rhs_free = list(range(nb + nl, nb + nl + len(rhs_free)))
 
+    # Each cast named for a numerics report (`lowtrain.numerics.track(...,
+    # casts=True)`): the operands' in both passes, the cotangent's in both GEMMs.
+    gemm = gemm_of(lhs.shape, rhs.shape, dn)
+    sites = {
+        role: block_site(fmt, role, gemm, rhs.shape, stochastic and role == "grad")
+        for role, fmt in (("lhs", lhs_fmt), ("rhs", rhs_fmt), ("grad", grad_fmt))
+    }
+
     @jax.custom_vjp
     @_exact
     def run(lhs, rhs, key):
@@ -156,8 +170,8 @@ def block_dot_general(
 
     @_exact
     def fwd(lhs, rhs, key):
-        lq = _qdq(lhs, lhs_fmt, lc[0], lhs_free)
-        rq = _qdq(rhs, rhs_fmt, rc[0], rhs_free)
+        lq = _qdq(lhs, lhs_fmt, lc[0], lhs_free, site=sites["lhs"])
+        rq = _qdq(rhs, rhs_fmt, rc[0], rhs_free, site=sites["rhs"])
         return dot(lq, rq).astype(out_dtype), (lhs, rhs, key)
 
     @_exact
@@ -169,14 +183,22 @@ def block_dot_general(
         g_l, rhs_l = g, rhs.astype(F32)
         if hadamard == "lhs":  # both rotated alike along the dimension contracted
             g_l, rhs_l = _rht(g_l, g_rhs_free[-1]), _rht(rhs_l, rhs_free[-1])
-        g_n = _qdq(g_l, grad_fmt, g_rhs_free[-1], g_lhs_free, k_lhs, stochastic)
-        rhs_n = _qdq(rhs_l, rhs_fmt, rhs_free[-1], [*rhs_free[:-1], rc[0]])
+        g_n = _qdq(
+            g_l, grad_fmt, g_rhs_free[-1], g_lhs_free, k_lhs, stochastic, sites["grad"]
+        )
+        rhs_n = _qdq(
+            rhs_l, rhs_fmt, rhs_free[-1], [*rhs_free[:-1], rc[0]], site=sites["rhs"]
+        )
         # d rhs = lhs . g over lhs's free dimensions.
         g_r, lhs_r = g, lhs.astype(F32)
         if hadamard == "rhs":
             g_r, lhs_r = _rht(g_r, g_lhs_free[-1]), _rht(lhs_r, lhs_free[-1])
-        g_m = _qdq(g_r, grad_fmt, g_lhs_free[-1], g_rhs_free, k_rhs, stochastic)
-        lhs_m = _qdq(lhs_r, lhs_fmt, lhs_free[-1], [*lhs_free[:-1], lc[0]])
+        g_m = _qdq(
+            g_r, grad_fmt, g_lhs_free[-1], g_rhs_free, k_rhs, stochastic, sites["grad"]
+        )
+        lhs_m = _qdq(
+            lhs_r, lhs_fmt, lhs_free[-1], [*lhs_free[:-1], lc[0]], site=sites["lhs"]
+        )
         shape = lambda x: jax.ShapeDtypeStruct(x.shape, F32)  # noqa: E731
         (d_lhs,) = jax.linear_transpose(lambda a: dot(a, rhs_n), shape(lhs))(g_n)
         (d_rhs,) = jax.linear_transpose(lambda b: dot(lhs_m, b), shape(rhs))(g_m)
@@ -186,9 +208,11 @@ def block_dot_general(
     return run(lhs, rhs, key)
 
 
-def _qdq(x, fmt: BlockFormat, axis: int, others, key=None, stochastic=False) -> Array:
-    # `x`'s float32 values after a round trip through `fmt`, in blocks along `axis`;
-    # a 2-D tile spans the last of `others` as well.
+def _qdq(
+    x, fmt: BlockFormat, axis: int, others, key=None, stochastic=False, site=None
+) -> Array:
+    # `x`'s float32 values after a round trip through `fmt`, in blocks along `axis`
+    # (the cast named as `site`); a 2-D tile spans the last of `others` as well.
     tile_axis = others[-1] if fmt.block[0] > 1 and others else None
     if fmt.block[0] > 1 and tile_axis is None:
         raise ValueError(
@@ -196,10 +220,8 @@ def _qdq(x, fmt: BlockFormat, axis: int, others, key=None, stochastic=False) -> 
             f"of {fmt.name!r}, got an operand of shape {x.shape} with none instead: "
             "use a format with 1-D blocks for it."
         )
-    rounding = "stochastic" if stochastic else "nearest"
-    q = block_quantize(
-        x, fmt, axis=axis, tile_axis=tile_axis, key=key, rounding=rounding
-    )
+    axis, tile_axis = _axes(x.ndim, fmt, axis, tile_axis)
+    q = _block_quantize(x, None, key, fmt, axis, tile_axis, stochastic, site)
     return q.dequantize(F32)
 
 

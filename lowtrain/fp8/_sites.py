@@ -29,6 +29,10 @@ SITE_PREFIX = "lowtrain.fp8_cast"
 # Matmuls a plan keeps wide run inside this scope (`keep_op`): a policy that would
 # run them in FP8 maps it to its compute dtype (the recipes' `fp8` precision does).
 KEEP_SCOPE = "lowtrain.fp8_keep"
+# Where a `lowtrain.Policy` finds the format a plan chose for a matmul
+# (`lowtrain.unit_scaling.route_scopes`): the scope `"lowtrain.format|<format>"`
+# around it, which the policy maps to the action of that name.
+FORMAT_SCOPE = "lowtrain.format"
 ROLES = ("lhs", "rhs", "grad")
 
 
@@ -48,7 +52,10 @@ class Site:
     `2 * batch * M * N * K` FLOPs; `()` if unknown); `rhs` the right operand's shape;
     `applied` False for a shadow (the matmul runs wide); `amax` True for a shadow of
     a cast with current scaling (its value is judged after dividing by its own
-    amax over the format's largest value, which the report computes).
+    amax over the format's largest value, which the report computes); `scaling`
+    the `lowtrain.fp8.BlockFormat` name of a block-scaled cast (`""`: one scale
+    for the tensor), whose value is read after each block's scale, in `fmt` its
+    element format; `stochastic` whether the cast rounds stochastically.
 
     ```python
     from lowtrain.fp8._sites import Site
@@ -56,6 +63,9 @@ class Site:
     site = Site("float8_e5m2", "grad", (1, 2048, 384, 128), (128, 384))
     assert Site.parse(site.scope()) == site
     assert site.flops == 2 * 2048 * 384 * 128
+    block = Site("float4_e2m1fn", "grad", (), (128, 384), scaling="nvfp4",
+                 stochastic=True)
+    assert Site.parse(block.scope()) == block
     ```
     """
 
@@ -65,19 +75,22 @@ class Site:
     rhs: tuple[int, ...] = ()
     applied: bool = True
     amax: bool = False
+    scaling: str = ""
+    stochastic: bool = False
 
     def scope(self) -> str:
         kind = "cast" if self.applied else ("shadow-amax" if self.amax else "shadow")
+        rounding = "stochastic" if self.stochastic else "nearest"
         parts = (self.fmt, self.role, _dims(self.gemm), _dims(self.rhs), kind)
-        return "|".join((SITE_PREFIX, *parts))
+        return "|".join((SITE_PREFIX, *parts, self.scaling, rounding))
 
     @classmethod
     def parse(cls, name: str) -> Site | None:
         """The `Site` a scope name holds, or None for any other scope."""
         parts = name.split("|")
-        if len(parts) != 6 or parts[0] != SITE_PREFIX:
+        if len(parts) != 8 or parts[0] != SITE_PREFIX:
             return None
-        _, fmt, role, gemm, rhs, kind = parts
+        _, fmt, role, gemm, rhs, kind, scaling, rounding = parts
         return cls(
             fmt,
             role,
@@ -85,6 +98,8 @@ class Site:
             _undims(rhs),
             kind == "cast",
             kind == "shadow-amax",
+            scaling,
+            rounding == "stochastic",
         )
 
     @property

@@ -13,6 +13,7 @@ from ._quantize import current_scale as current_scale
 from ._quantize import from_bits as from_bits
 from ._quantize import quantize_at as quantize_at
 from ._quantize import to_bits as to_bits
+from ._sites import FORMAT_SCOPE as FORMAT_SCOPE
 from ._sites import KEEP_SCOPE as KEEP_SCOPE
 from ._sites import Site as Site
 from ._sites import matmul_sites as matmul_sites

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ._report import Report
@@ -49,8 +49,12 @@ class Matmul:
     stack), `flops` (of all its forward calls: `2 * batch * M * N * K * calls`),
     `losses` (per cast role `lhs`, `rhs`, `grad`: `(format, flush, saturate)`, the
     worst over the calls), `applied` (whether the report saw it in FP8 rather than
-    kept wide), `decision` (`"fp8"` or `"wide"`), `reason` and `selector` (the
-    `precision.keep` entry that keeps it, or "" if it runs in FP8).
+    kept wide), `decision` (`"fp8"` or `"wide"`; with several formats, the one
+    chosen), `reason` and `selector` (the `precision.keep` entry that keeps it, or
+    the entry that routes it to its format; "" if it runs in the plan's first
+    format), and `candidates` (with several formats: per format, per role,
+    `(format, flush, saturate, error, stochastic, block-scaled)` as measured in
+    it).
 
     ```python
     from lowtrain.numerics import Matmul
@@ -71,6 +75,7 @@ class Matmul:
     decision: str = FP8
     reason: str = ""
     selector: str = ""
+    candidates: dict[str, dict[str, tuple]] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -78,8 +83,21 @@ class Matmul:
         return f"{self.name}@{'x'.join(map(str, self.rhs))}"
 
 
+def _label(m: Matmul, total: int) -> str:
+    # A table row's first columns: name@rhs, the GEMM (and calls), FLOP share.
+    name = m.name if len(m.name) <= 24 else "..." + m.name[-21:]
+    name = f"{name}@{'x'.join(map(str, m.rhs))}"
+    shape = "x".join(map(str, m.gemm)) + (f" x{m.calls}" if m.calls > 1 else "")
+    return f"{name:32} {shape:>22} {100 * m.flops / total:5.1f}%"
+
+
+def _decided(m: Matmul) -> str:
+    return m.decision + (f" ({m.reason})" if m.reason else "")
+
+
 def _short(fmt: str) -> str:
-    return {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2"}.get(fmt, fmt)
+    names = {"float8_e4m3fn": "E4M3", "float8_e5m2": "E5M2", "float4_e2m1fn": "E2M1"}
+    return names.get(fmt, fmt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +109,13 @@ class Plan:
     - `keep`: the `precision.keep` entries (`lowtrain.unit_scaling.keep_scopes`)
       that keep exactly the wide ones wide;
     - `fp8_share`: the fraction of the matmuls' FLOPs that run in FP8;
-    - `thresholds`: what it was decided with.
+    - `thresholds`: what it was decided with;
+    - `formats`: with several formats (`plan(formats=...)`), the candidates, most
+      aggressive first (`base`, the first, is that of every matmul no route names);
+      empty for a plan of FP8 or wide;
+    - `routes`: `(entry, format)` pairs routing the matmuls in a format other than
+      `base` and wide (`route_list()` gives them as `precision.routes` entries,
+      `shares()` each decision's share of the FLOPs).
 
     `str(plan)` (or `plan.table()`) is a table: matmul, shape, FLOP share, the
     losses of each cast, decision and reason. `plan.override()` is the command-line
@@ -123,12 +147,34 @@ class Plan:
     matmuls: tuple[Matmul, ...]
     keep: tuple[str, ...]
     thresholds: dict[str, float]
+    formats: tuple[str, ...] = ()
+    routes: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def base(self) -> str:
+        """The format of the matmuls no entry routes: the first of `formats`, or
+        "fp8"."""
+        return self.formats[0] if self.formats else FP8
 
     @property
     def fp8_share(self) -> float:
+        """The fraction of the matmuls' FLOPs not kept wide (in FP8, or in any of
+        `formats`)."""
+        return 1.0 - self.shares().get(WIDE, 0.0) if self.matmuls else 0.0
+
+    def shares(self) -> dict[str, float]:
+        """Each decision's fraction of the matmuls' FLOPs: `{"nvfp4": 0.9, ...}`."""
         total = sum(m.flops for m in self.matmuls)
-        fp8 = sum(m.flops for m in self.matmuls if m.decision == FP8)
-        return fp8 / total if total else 0.0
+        out: dict[str, float] = {}
+        for m in self.matmuls:
+            out[m.decision] = out.get(m.decision, 0.0) + (
+                m.flops / total if total else 0
+            )
+        return out
+
+    def route_list(self) -> list[str]:
+        """`routes` as `precision.routes` entries: `"<entry>=<format>"`."""
+        return [f"{entry}={fmt}" for entry, fmt in self.routes]
 
     @property
     def wide(self) -> tuple[Matmul, ...]:
@@ -137,10 +183,16 @@ class Plan:
     def override(self) -> str:
         """`precision.keep=[...]`: the command-line override that keeps what this
         plan keeps (each entry quoted: scopes such as `btc,vc->btv` hold commas)."""
-        return "precision.keep=[" + ",".join(json.dumps(k) for k in self.keep) + "]"
+        keep = "precision.keep=[" + ",".join(json.dumps(k) for k in self.keep) + "]"
+        if not self.formats:
+            return keep
+        routes = ",".join(json.dumps(r) for r in self.route_list())
+        return f"precision.base={self.base} {keep} precision.routes=[{routes}]"
 
     def table(self) -> str:
         """The plan as a plain-text table (see the class docstring)."""
+        if self.formats:
+            return self._format_table()
         total = sum(m.flops for m in self.matmuls) or 1
         head = (
             f"{'matmul':32} {'shape (B,M,N,K)':>22} {'FLOPs':>6}  "
@@ -156,28 +208,62 @@ class Plan:
             for role in ROLES:
                 fmt, flush, sat = m.losses.get(role, ("", 0.0, 0.0))
                 cells.append(f"{100 * flush:5.1f}/{100 * sat:<5.2f}" if fmt else "-")
-            name = m.name if len(m.name) <= 24 else "..." + m.name[-21:]
-            name = f"{name}@{'x'.join(map(str, m.rhs))}"
-            shape = "x".join(map(str, m.gemm)) + (f" x{m.calls}" if m.calls > 1 else "")
-            what = m.decision + (f" ({m.reason})" if m.reason else "")
             lines.append(
-                f"{name:32} {shape:>22} {100 * m.flops / total:5.1f}%  "
-                f"{cells[0]:>11} {cells[1]:>11} {cells[2]:>11}  {what}"
+                f"{_label(m, total)}  {cells[0]:>11} {cells[1]:>11} {cells[2]:>11}  "
+                f"{_decided(m)}"
             )
         lines.append(f"override: '{self.override()}'")
         return "\n".join(lines)
 
     __str__ = table
 
+    def _format_table(self) -> str:
+        # With several formats: each candidate's worst cast (error, flush,
+        # saturation, in %) and the decision.
+        total = sum(m.flops for m in self.matmuls) or 1
+        shares = ", ".join(f"{k} {v:.1%}" for k, v in self.shares().items())
+        head = f"{'matmul':32} {'shape (B,M,N,K)':>22} {'FLOPs':>6}  " + " ".join(
+            f"{f + ' err/fl/sat':>20}" for f in self.formats
+        )
+        lines = [f"matmul FLOPs: {shares} (worst cast of each format, %)", head]
+        for m in self.matmuls:
+            cells = []
+            for f in self.formats:
+                casts = m.candidates.get(f, {})
+                if not casts:
+                    cells.append(f"{'-':>20}")
+                    continue
+                err = max(c[3] for c in casts.values())
+                flush = (
+                    max(c[1] for c in casts.values() if not c[4])
+                    if any(not c[4] for c in casts.values())
+                    else 0.0
+                )
+                sat = max(c[2] for c in casts.values())
+                cells.append(f"{100 * err:6.1f}/{100 * flush:5.1f}/{100 * sat:<6.2f}")
+            cells = " ".join(f"{c:>20}" for c in cells)
+            lines.append(f"{_label(m, total)}  {cells}  {_decided(m)}")
+        lines.append(f"override: '{self.override()}'")
+        return "\n".join(lines)
+
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON data (`from_json` reads it back)."""
         return {
             "keep": list(self.keep),
             "fp8_share": self.fp8_share,
+            "shares": self.shares(),
             "thresholds": dict(self.thresholds),
+            "formats": list(self.formats),
+            "routes": [list(r) for r in self.routes],
             "matmuls": [
                 dataclasses.asdict(m)
                 | {"losses": {k: list(v) for k, v in m.losses.items()}}
+                | {
+                    "candidates": {
+                        f: {r: list(c) for r, c in casts.items()}
+                        for f, casts in m.candidates.items()
+                    }
+                }
                 for m in self.matmuls
             ],
         }
@@ -192,19 +278,30 @@ class Plan:
                     "rhs": tuple(m["rhs"]),
                     "gemm": tuple(m["gemm"]),
                     "losses": {k: tuple(v) for k, v in m["losses"].items()},
+                    "candidates": {
+                        f: {r: tuple(c) for r, c in casts.items()}
+                        for f, casts in m.get("candidates", {}).items()
+                    },
                 }
             )
             for m in data["matmuls"]
         )
-        return cls(matmuls, tuple(data["keep"]), dict(data["thresholds"]))
+        return cls(
+            matmuls,
+            tuple(data["keep"]),
+            dict(data["thresholds"]),
+            tuple(data.get("formats", ())),
+            tuple(tuple(r) for r in data.get("routes", ())),
+        )
 
     def changes(self, before: Plan | None) -> list[str]:
         """What moved between `before` and this plan, one line a matmul: "name:
-        fp8 -> wide (reason)"; every wide one when `before` is None."""
+        fp8 -> wide (reason)"; every one not in the plan's first format (`base`)
+        when `before` is None."""
         old = {} if before is None else {m.key: m.decision for m in before.matmuls}
         lines = []
         for m in self.matmuls:
-            was = old.get(m.key, FP8)
+            was = old.get(m.key, self.base)
             if was != m.decision:
                 lines.append(f"{m.key}: {was} -> {m.decision} ({m.reason or 'fits'})")
         return lines
@@ -222,46 +319,114 @@ def _check_fraction(value, what: str) -> float:
 
 
 def _gather(report: Report) -> list[Matmul]:
-    # One `Matmul` per (name, rhs, gemm) of the report's FP8 casts, program order.
+    # One `Matmul` per (name, rhs, gemm) of the report's FP8 casts, program order;
+    # its `candidates[""]`: per role `(format, flush, saturate, error, stochastic,
+    # block)` (`block`: block-scaled).
     found: dict[tuple, dict] = {}
     for row in report.rows:
         site = row.get("site")
         if not site or site["role"] not in ROLES:
             continue
         key = (row["name"], tuple(site["rhs"]), tuple(site["gemm"]))
-        entry = found.setdefault(key, {"losses": {}, "calls": {}, "applied": False})
-        fmt = site["format"]
+        entry = found.setdefault(key, {"casts": {}, "calls": {}, "applied": False})
+        fmt, role = site["format"], site["role"]
         flush, sat = row["underflow"][fmt], row["overflow"][fmt]
-        old = entry["losses"].get(site["role"], (fmt, 0.0, 0.0))
-        entry["losses"][site["role"]] = (fmt, max(old[1], flush), max(old[2], sat))
+        error, stochastic = row.get("error", 0.0), bool(site.get("stochastic"))
+        block = bool(site.get("scaling"))
+        old = entry["casts"].get(role, (fmt, 0.0, 0.0, 0.0, False, False))
+        entry["casts"][role] = (
+            fmt,
+            max(old[1], flush),
+            max(old[2], sat),
+            max(old[3], error),
+            old[4] or stochastic,
+            old[5] or block,
+        )
         # A call is one layer's cast in its own pass (a remat's recomputed forward
         # casts, in the backward pass, are the same calls again).
-        if (row["pass"] == "bwd") == (site["role"] == "grad"):
-            entry["calls"].setdefault(site["role"], set()).add(row.get("layer"))
+        if (row["pass"] == "bwd") == (role == "grad"):
+            entry["calls"].setdefault(role, set()).add(row.get("layer"))
         entry["applied"] |= bool(site["applied"])
     out = []
     for (name, rhs, gemm), e in found.items():
-        calls = max([len(layers) for layers in e["calls"].values()] or [1])
+        # The forward casts count the calls (a block-scaled GEMM casts its
+        # gradient twice a call, once for each backward GEMM).
+        counted = [len(e["calls"][r]) for r in ("lhs", "rhs") if r in e["calls"]]
+        counted = counted or [len(layers) for layers in e["calls"].values()]
+        calls = max(counted or [1])
         flops = 2 * math.prod(gemm) * calls if gemm else 0
-        out.append(Matmul(name, rhs, gemm, calls, flops, e["losses"], e["applied"]))
+        losses = {role: c[:3] for role, c in e["casts"].items()}
+        out.append(
+            Matmul(
+                name,
+                rhs,
+                gemm,
+                calls,
+                flops,
+                losses,
+                e["applied"],
+                candidates={"": e["casts"]},
+            )
+        )
     return out
 
 
-def _judge(m: Matmul, limits: dict[str, float], min_dim: int) -> tuple[str, str]:
+def _merged(reports: list[Report]) -> dict[str, Matmul]:
+    # The matmuls of several reports by key, each cast's worst over them.
+    merged: dict[str, Matmul] = {}
+    for r in reports:
+        for m in _gather(r):
+            old = merged.get(m.key)
+            if old is not None:
+                casts = dict(old.candidates[""])
+                for role, (fmt, flush, sat, err, sto, blk) in m.candidates[""].items():
+                    none = (fmt, 0.0, 0.0, 0.0, False, False)
+                    _, f0, s0, e0, st0, b0 = casts.get(role, none)
+                    casts[role] = (
+                        fmt,
+                        max(f0, flush),
+                        max(s0, sat),
+                        max(e0, err),
+                        st0 or sto,
+                        b0 or blk,
+                    )
+                m = dataclasses.replace(
+                    old,
+                    losses={role: c[:3] for role, c in casts.items()},
+                    candidates={"": casts},
+                )
+            merged[m.key] = m
+    return merged
+
+
+def _judge(
+    m: Matmul, limits: dict[str, float], min_dim: int, casts=None
+) -> tuple[str, str]:
+    # FP8 or WIDE for the casts `casts` (default the matmul's own, as measured),
+    # each `(format, flush, saturate, error, stochastic, block)`: a stochastically
+    # rounded cast's flush is no loss (its mean is kept), its error is; a
+    # block-scaled cast's saturation is bounded by its block's scale rule (MX's
+    # power-of-two scale clips a block's largest values by at most an eighth, by
+    # the OCP spec) and counted in its error.
     if min_dim and m.gemm and min(m.gemm[1:]) < min_dim:
         dims = "x".join(map(str, m.gemm[1:]))
         return WIDE, f"GEMM {dims} below min_dim {min_dim}"
+    casts = m.candidates.get("", {}) if casts is None else casts
     reasons = []
     for role in ROLES:
-        if role not in m.losses:
+        if role not in casts:
             continue
-        fmt, flush, sat = m.losses[role]
-        most = limits["max_flush_bwd" if role == "grad" else "max_flush_fwd"]
-        if flush > most:
+        fmt, flush, sat, error, stochastic, block = casts[role]
+        back = role == "grad"
+        most = limits["max_flush_bwd" if back else "max_flush_fwd"]
+        if flush > most and not stochastic:
             reasons.append(f"{role} {_short(fmt)} flushes {flush:.1%} > {most:.1%}")
         most = limits["max_saturate"]
-        if sat > most:
+        if sat > most and not block:
             reasons.append(f"{role} {_short(fmt)} saturates {sat:.2%} > {most:.1%}")
+        most = limits.get("max_error_bwd" if back else "max_error_fwd")
+        if most is not None and error > most:
+            reasons.append(f"{role} {_short(fmt)} error {error:.1%} > {most:.1%}")
     return (WIDE, "; ".join(reasons)) if reasons else (FP8, "")
 
 
@@ -275,56 +440,67 @@ def _text(selector: tuple[str, tuple | None]) -> str:
     return scope if shape is None else f"{scope}@{'x'.join(map(str, shape))}"
 
 
-def _selectors(matmuls: list[Matmul]) -> tuple[list[Matmul], list[str]]:
-    """The `keep` entries for the wide matmuls: for each, the innermost scope that
-    selects only wide ones, else a scope and its right operand's shape; a matmul
-    that no entry separates from an FP8 one makes that one wide too (repeated
-    until every wide one has an entry)."""
+def _selectors(
+    matmuls: list[Matmul], base: str = FP8, rank: dict[str, int] | None = None
+) -> tuple[list[Matmul], list[tuple[str, str]]]:
+    """The entries that route each matmul not in `base` to its decision: for each,
+    the innermost scope that selects only matmuls of that decision, else a scope
+    and its right operand's shape; matmuls that no entry separates all take the
+    most conservative of their decisions (`rank`: higher is more conservative;
+    default FP8 then WIDE), repeated until every one has an entry. Returns the
+    matmuls with their `selector` and the `(entry, decision)` pairs."""
+    rank = rank or {FP8: 0, WIDE: 1}
     matmuls = list(matmuls)
     while True:
-        wide = [m for m in matmuls if m.decision == WIDE]
         chosen: dict[str, str] = {}
         pulled = None
-        for m in wide:
+        for m in matmuls:
+            if m.decision == base:
+                continue
             scopes = [s for s in reversed(m.name.split("/")) if s != "(top)"]
             options = [(s, None) for s in scopes] + [(s, m.rhs) for s in scopes]
             for option in options:
-                if all(o.decision == WIDE for o in matmuls if _selects(option, o)):
+                selected = [o for o in matmuls if _selects(option, o)]
+                if all(o.decision == m.decision for o in selected):
                     chosen[m.key] = _text(option)
                     break
             else:
-                if not scopes:  # no named scope: it cannot be kept by name
+                if not scopes:  # no named scope: it cannot be routed by name
                     chosen[m.key] = ""
                     continue
-                option = (scopes[0], m.rhs)
-                pulled = [o for o in matmuls if _selects(option, o)]
+                pulled = [o for o in matmuls if _selects((scopes[0], m.rhs), o)]
                 break
         if pulled is None:
             break
+        worst = max((o.decision for o in pulled), key=rank.__getitem__)
         why = f"shares `{_text((pulled[0].name.split('/')[-1], pulled[0].rhs))}`"
         matmuls = [
-            dataclasses.replace(o, decision=WIDE, reason=why)
-            if o in pulled and o.decision == FP8
+            dataclasses.replace(o, decision=worst, reason=why)
+            if o in pulled and o.decision != worst
             else o
             for o in matmuls
         ]
     out = []
     for m in matmuls:
-        if m.decision == WIDE and not chosen.get(m.key):
+        if m.decision != base and not chosen.get(m.key):
             m = dataclasses.replace(
-                m, decision=FP8, reason="no named scope to keep it by: " + m.reason
+                m, decision=base, reason="no named scope to route it by: " + m.reason
             )
         out.append(dataclasses.replace(m, selector=chosen.get(m.key, "")))
-    keep = sorted({m.selector for m in out if m.selector})
-    return out, keep
+    routes = sorted({(m.selector, m.decision) for m in out if m.selector})
+    return out, routes
 
 
 def plan(
-    report: Report | Iterable[Report],
+    report: Report | Iterable[Report] | Mapping[str, Report | Iterable[Report]],
     *,
+    formats: Sequence[str] | None = None,
     max_flush_fwd: float = MAX_FLUSH_FWD,
     max_flush_bwd: float = MAX_FLUSH_BWD,
     max_saturate: float = MAX_SATURATE,
+    max_error_fwd: float | None = None,
+    max_error_bwd: float | None = None,
+    min_share: float = 0.0,
     min_dim: int = 0,
     previous: Plan | None = None,
     hysteresis: float = 0.5,
@@ -345,7 +521,20 @@ def plan(
       (clip at the format's largest value), forward or backward;
     - `min_dim` (default 0: none): a GEMM with an M, N or K below it stays wide,
       too small for an FP8 GEMM to pay for its casts (a device's break-even,
-      `scripts/bench.py gemm`: `break_even`).
+      `scripts/bench.py gemm`: `break_even`);
+    - `max_error_fwd`, `max_error_bwd` (default None: not judged): the largest
+      relative RMS rounding error (a row's `error`) of a forward and a backward
+      cast.
+
+    With `formats` (format names, most aggressive first, e.g. `["nvfp4", "mxfp8",
+    "fp8"]`), the scaling is the decision: `report` is a dict from each format to
+    its report(s), measured with every matmul in that format, and each matmul
+    takes the first format whose casts are all within the limits, else stays wide.
+    There a stochastically rounded cast's flush is not judged (its values survive
+    on average; its error is), nor a block-scaled cast's saturation (its block's
+    scale bounds it; its error counts it); `min_share` (default 0) is the smallest
+    share of the FLOPs a matmul needs for a 4-bit format ("nvfp4", "mxfp4"). The
+    plan's `routes` and `keep` name the matmuls not in the first format.
 
     A matmul over a limit stays wide; the rest run in FP8. With `previous` (the
     plan in effect), a matmul it kept wide moves back into FP8 only when its casts
@@ -382,10 +571,47 @@ def plan(
     assert lowtrain.numerics.plan(again).keep == ("down", "up")
     ```
     """
+    limits = {
+        "max_flush_fwd": _check_fraction(max_flush_fwd, "max_flush_fwd"),
+        "max_flush_bwd": _check_fraction(max_flush_bwd, "max_flush_bwd"),
+        "max_saturate": _check_fraction(max_saturate, "max_saturate"),
+    }
+    for name, value in (
+        ("max_error_fwd", max_error_fwd),
+        ("max_error_bwd", max_error_bwd),
+    ):
+        if value is not None:
+            limits[name] = _check_fraction(value, name)
+    if isinstance(min_dim, bool) or not isinstance(min_dim, int) or min_dim < 0:
+        raise ValueError(f"Expected `min_dim` as an int >= 0, got {min_dim!r} instead.")
+    hysteresis = _check_fraction(hysteresis, "hysteresis")
+    min_share = _check_fraction(min_share, "min_share")
+    strict = {k: v * hysteresis for k, v in limits.items()}
+    if formats is not None:
+        return _plan_formats(
+            report, formats, limits, strict, min_share, min_dim, previous
+        )
+    merged = _merged(_reports(report))
+    was_wide = set() if previous is None else {m.key for m in previous.wide}
+    judged = []
+    for m in merged.values():
+        decision, reason = _judge(m, limits, min_dim)
+        if decision == FP8 and m.key in was_wide:
+            decision, reason = _judge(m, strict, min_dim)
+            if decision == WIDE:
+                reason = f"stays wide until under {hysteresis:g}x the limits: {reason}"
+        judged.append(dataclasses.replace(m, decision=decision, reason=reason))
+    matmuls, routes = _selectors(judged)
+    matmuls = [dataclasses.replace(m, candidates={}) for m in matmuls]
+    keep = tuple(entry for entry, _ in routes)
+    return Plan(tuple(matmuls), keep, limits | {"min_dim": min_dim})
+
+
+def _reports(report, what: str = "`report`") -> list[Report]:
     reports = [report] if isinstance(report, Report) else list(report)
     if not reports or not all(isinstance(r, Report) for r in reports):
         raise TypeError(
-            "Expected a `lowtrain.numerics.Report` (or several), from "
+            f"Expected {what} as a `lowtrain.numerics.Report` (or several), from "
             f"`track(fn, casts=True)`, got {report!r} instead."
         )
     for r in reports:
@@ -395,38 +621,83 @@ def plan(
                 "got a report of every tensor (kind 'all') instead. Track with "
                 "`lowtrain.numerics.track(fn, casts=True)`."
             )
-    limits = {
-        "max_flush_fwd": _check_fraction(max_flush_fwd, "max_flush_fwd"),
-        "max_flush_bwd": _check_fraction(max_flush_bwd, "max_flush_bwd"),
-        "max_saturate": _check_fraction(max_saturate, "max_saturate"),
-    }
-    if isinstance(min_dim, bool) or not isinstance(min_dim, int) or min_dim < 0:
-        raise ValueError(f"Expected `min_dim` as an int >= 0, got {min_dim!r} instead.")
-    merged: dict[str, Matmul] = {}
-    for r in reports:
-        for m in _gather(r):
-            old = merged.get(m.key)
-            if old is not None:
-                losses = dict(old.losses)
-                for role, (fmt, flush, sat) in m.losses.items():
-                    _, f0, s0 = losses.get(role, (fmt, 0.0, 0.0))
-                    losses[role] = (fmt, max(f0, flush), max(s0, sat))
-                m = dataclasses.replace(old, losses=losses)
-            merged[m.key] = m
-    hysteresis = _check_fraction(hysteresis, "hysteresis")
-    was_wide = set() if previous is None else {m.key for m in previous.wide}
-    strict = {k: v * hysteresis for k, v in limits.items()}
+    return reports
+
+
+# Element widths of the formats a plan may choose: a format narrower than 8 bits
+# runs only matmuls that carry `min_share` of the FLOPs.
+_NARROW = {"nvfp4": 4, "mxfp4": 4}
+
+
+def _plan_formats(report, formats, limits, strict, min_share, min_dim, previous):
+    # Each matmul in the first of `formats` whose casts (in that format's reports)
+    # are all within `limits`, else wide.
+    formats = tuple(formats)
+    if not formats or not all(isinstance(f, str) and f for f in formats):
+        raise TypeError(
+            "Expected `formats` as format names, most aggressive first, e.g. "
+            f"['nvfp4', 'mxfp8', 'fp8'], got {formats!r} instead."
+        )
+    if WIDE in formats or len(set(formats)) != len(formats):
+        raise ValueError(
+            f"Expected distinct formats other than {WIDE!r} (the fallback of every "
+            f"plan), got {list(formats)} instead."
+        )
+    if not isinstance(report, Mapping) or set(report) != set(formats):
+        given = sorted(report) if isinstance(report, Mapping) else type(report).__name__
+        raise ValueError(
+            "Expected one casts report (or several) per format, measured with every "
+            f"matmul in that format: a dict with keys {list(formats)}, got {given} "
+            "instead."
+        )
+    measured = {f: _merged(_reports(report[f], f"report[{f!r}]")) for f in formats}
+    rank = {f: i for i, f in enumerate(formats)} | {WIDE: len(formats)}
+    before = {} if previous is None else {m.key: m.decision for m in previous.matmuls}
+    total = sum(m.flops for m in measured[formats[0]].values()) or 1
     judged = []
-    for m in merged.values():
-        decision, reason = _judge(m, limits, min_dim)
-        if decision == FP8 and m.key in was_wide:
-            decision, reason = _judge(m, strict, min_dim)
-            if decision == WIDE:
-                reason = f"stays wide until under {hysteresis:g}x the limits: {reason}"
-        judged.append(dataclasses.replace(m, decision=decision, reason=reason))
-    matmuls, keep = _selectors(judged)
-    thresholds = limits | {"min_dim": min_dim}
-    return Plan(tuple(matmuls), tuple(keep), thresholds)
+    for key, first in measured[formats[0]].items():
+        candidates = {
+            f: measured[f][key].candidates[""] for f in formats if key in measured[f]
+        }
+        decision, reasons = WIDE, []
+        for f in formats:
+            if f not in candidates:
+                reasons.append(f"{f}: not measured")
+                continue
+            if f in _NARROW and first.flops / total < min_share:
+                reasons.append(
+                    f"{f}: {first.flops / total:.1%} of the FLOPs < min_share "
+                    f"{min_share:.1%}"
+                )
+                continue
+            # A matmul moves to a more aggressive format than its last one only
+            # well within the limits (no flapping at a threshold).
+            moving = key in before and rank.get(before[key], 0) > rank[f]
+            verdict, why = _judge(
+                first, strict if moving else limits, min_dim, candidates[f]
+            )
+            if verdict == FP8:
+                decision = f
+                break
+            reasons.append(f"{f}: {why}" + (" (moving in: stricter)" if moving else ""))
+        losses = {
+            r: c[:3]
+            for r, c in candidates.get(decision, candidates[formats[0]]).items()
+        }
+        judged.append(
+            dataclasses.replace(
+                first,
+                decision=decision,
+                reason="; ".join(reasons),
+                losses=losses,
+                candidates=candidates,
+            )
+        )
+    matmuls, routes = _selectors(judged, formats[0], rank)
+    keep = tuple(e for e, d in routes if d == WIDE)
+    routed = tuple((e, d) for e, d in routes if d != WIDE)
+    thresholds = limits | {"min_dim": min_dim, "min_share": min_share}
+    return Plan(tuple(matmuls), keep, thresholds, formats, routed)
 
 
 def break_even(gemm_json: str | pathlib.Path | dict, kind: str = "fp8 static") -> int:

@@ -19,7 +19,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 # The formats a report checks, by the names `ml_dtypes` and `jnp.dtype` give them.
-FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+FORMATS = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float4_e2m1fn")
 
 
 def _rounds_to(value: float, fmt: str) -> float:
@@ -351,3 +351,12 @@ def batch_stats(xs: list) -> tuple[Float[Array, "n 2"], Int[Array, "n c"]]:
     # infinity is nonzero but no overflow: a cast keeps it (a -inf attention mask).
     counts = jnp.concatenate([size, counted - nan, counted - kept, over - nonfinite], 1)
     return jnp.stack([absmax, sumsq], 1), counts
+
+
+def rounding_error(x: Array, fmt: str) -> Array:
+    """`x - round(x)` in float32: what rounding `x` to nearest in `fmt` loses,
+    saturating at its largest value (0 where `x` is not finite)."""
+    x = x.astype(jnp.float32)
+    top = float(ml_dtypes.finfo(getattr(ml_dtypes, fmt)).max)
+    rounded = jnp.clip(x, -top, top).astype(fmt).astype(jnp.float32)
+    return jnp.where(jnp.isfinite(x), x - rounded, 0.0)

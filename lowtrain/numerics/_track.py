@@ -30,9 +30,16 @@ from .. import _compat
 from .._eqn import Eqn, is_float
 from .._interpret import FlatCall, Interpreter
 from .._scopes import AMP_STOP_SCOPE
-from ..fp8.internal import KEEP_SCOPE, Site, current_scale
-from ._report import Meta, Report
-from ._stats import GROUP, batch_stats, empty_stats, merge, merge_stacked
+from ..fp8.internal import FORMAT_SCOPE, KEEP_SCOPE, Site, current_scale
+from ._report import CAST_ERROR, Meta, Report
+from ._stats import (
+    GROUP,
+    batch_stats,
+    empty_stats,
+    merge,
+    merge_stacked,
+    rounding_error,
+)
 
 # Formats a plain cast narrows float32 to, judged in the casts report.
 _HALF = ("float16", "bfloat16")
@@ -67,7 +74,7 @@ def _site_of(scopes) -> tuple[Site | None, tuple[str, ...]]:
         found = Site.parse(scope)
         if found is not None:
             site = found
-        elif scope not in _OURS:
+        elif scope not in _OURS and not scope.startswith(FORMAT_SCOPE + "|"):
             user.append(scope)
     return site, tuple(user)
 
@@ -132,6 +139,10 @@ class _TrackInterpreter(Interpreter):
             name = "/".join(user) or "(top)"
             shape = tuple(eqn.out_avals[0].shape)
             self.record(Meta(name, "fp8_cast", pass_, site.fmt, shape, site), value)
+            # What rounding it to nearest loses, folded into the cast's row as its
+            # relative `error` (`Report.from_stats`).
+            error = Meta(name, CAST_ERROR, pass_, site.fmt, shape, site)
+            self.record(error, rounding_error(value, site.fmt))
         elif eqn.primitive.name == "convert_element_type":
             (x,), (to,) = invals, eqn.out_avals
             if not (is_float(eqn.in_avals[0]) and str(to.dtype) in _HALF):

@@ -11,6 +11,11 @@ casts see (a gradient no longer flushed upstream), so each planning round tracks
 again with the new plan, up to `ROUNDS` times, until the plan holds. A matmul moves
 back into FP8 only when its casts lose less than `HYSTERESIS` times the thresholds
 (no flapping at a threshold).
+
+With `formats` (e.g. `["nvfp4", "mxfp8", "fp8"]`), the scaling is the decision: each
+planning round tracks the step once per format with every matmul in it, and each
+matmul takes the first format whose casts (flush, saturation and rounding error)
+are within the thresholds, else stays wide (`lowtrain.numerics.plan(formats=...)`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ log = logging.getLogger("lowtrain")
 
 ROUNDS = 3  # planning rounds at one step (tracked again while the plan changes)
 HYSTERESIS = 0.5  # a wide matmul moves in below this fraction of the thresholds
+# The defaults with `formats`, and why (docs/numerics.md has the data): a cast may
+# lose a relative RMS error of 0.15 forward and 0.3 backward. On the char-GPT every
+# NVFP4 cast loses 0.10-0.13 (E2M1 has one mantissa bit; Gaussian values lose
+# 0.11), MXFP8's 0.027 and per-tensor FP8's 0.05: over 0.15 is a cast whose blocks
+# hold outliers that flush their neighbours. Flush separates the matmuls there.
+MAX_ERROR_FWD = 0.15
+MAX_ERROR_BWD = 0.3
+MIN_SHARE = 0.02  # a 4-bit format only for a matmul with 2% of the FLOPs
 
 
 class Autopilot(Callback):
@@ -45,7 +58,16 @@ class Autopilot(Callback):
       matmuls `keep` names kept wide (scope names, or a scope, `@` and the right
       operand's shape: `lowtrain.unit_scaling.keep_scopes`; the recipes' FP8
       precisions, such as `lowtrain.recipes.precisions.amp`, take `keep`). It
-      must store the state as the Trainer's precision does.
+      must store the state as the Trainer's precision does. With `formats`:
+      `precision(keep, routes, base) -> Precision`, the matmuls `routes` names
+      (`"<entry>=<format>"`) in their formats and the others in `base`, as
+      `lowtrain.train.block_scaled(keep=, routes=, base=)` takes them.
+    - `formats`: None (the default: each matmul in FP8 or wide), or the formats a
+      matmul may take, most aggressive first (`lowtrain.train.block_scaled`'s
+      `FORMATS`: "nvfp4", "mxfp8", "fp8_block", "fp8"); wide is the fallback.
+    - `max_error_fwd`, `max_error_bwd`: with `formats`, the largest relative RMS
+      rounding error of a forward and a backward cast (`plan`'s); `min_share`:
+      the smallest share of the matmul FLOPs a 4-bit format runs.
     - `every`: steps between plans (the first is made after step 1).
     - `batches`: batches tracked for each plan (those of the steps that follow:
       the worst of each cast counts).
@@ -109,6 +131,10 @@ class Autopilot(Callback):
         min_dim: int = 0,
         keep: Sequence[str] = (),
         directory: str | pathlib.Path | None = None,
+        formats: Sequence[str] | None = None,
+        max_error_fwd: float | None = MAX_ERROR_FWD,
+        max_error_bwd: float | None = MAX_ERROR_BWD,
+        min_share: float = MIN_SHARE,
     ):
         if not callable(precision):
             raise TypeError(
@@ -131,6 +157,29 @@ class Autopilot(Callback):
                     f"Expected `{name}` a fraction in [0, 1], got {value!r} instead."
                 )
             self.thresholds[name] = float(value)
+        self.formats = None if formats is None else tuple(str(f) for f in formats)
+        if self.formats is not None:
+            if not self.formats:
+                raise ValueError(
+                    "Expected `formats` to name at least one format, e.g. "
+                    "['nvfp4', 'mxfp8', 'fp8'], got none."
+                )
+            for name, value in (
+                ("max_error_fwd", max_error_fwd),
+                ("max_error_bwd", max_error_bwd),
+                ("min_share", min_share),
+            ):
+                number = isinstance(value, int | float) and not isinstance(value, bool)
+                if value is not None and not (number and 0 <= value <= 1):
+                    raise ValueError(
+                        f"Expected `{name}` a fraction in [0, 1], got {value!r} "
+                        "instead."
+                    )
+            self.thresholds |= {
+                "max_error_fwd": max_error_fwd,
+                "max_error_bwd": max_error_bwd,
+                "min_share": float(min_share),
+            }
         self.min_dim = int(min_dim)
         self.keep = sorted(str(k) for k in keep)
         self.directory = None if directory is None else pathlib.Path(directory)
@@ -164,7 +213,7 @@ class Autopilot(Callback):
         current = self.at(start)
         if current is not None:
             log.info("autopilot: resuming with the plan of step %d", self.plans[-1][0])
-            trainer.use_precision(self.precision(self.keep_of(current)), state)
+            trainer.use_precision(self._built(current), state)
         if start and self.due(start) and not any(s == start for s, _ in self.plans):
             # Stopped after the checkpoint of a planning step, before its plan.
             self._plan(trainer, start, state)
@@ -175,6 +224,38 @@ class Autopilot(Callback):
 
     def _plan(self, trainer, step: int, state) -> None:
         current = self.at(step)
+        if self.formats is not None:
+            plan = self._choose_formats(trainer, step, state, current)
+        else:
+            plan = self._choose_fp8(trainer, step, state, current)
+        changes = plan.changes(current)
+        self.plans = [(s, p) for s, p in self.plans if s < step] + [(step, plan)]
+        shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in plan.shares().items())
+        self._write(step, plan)
+        for line in changes:
+            log.info("autopilot step %d: %s", step, line)
+        keep = self.keep_of(plan)
+        log.info(
+            "autopilot step %d: matmul FLOPs %s; %s",
+            step,
+            shares,
+            "precision.keep=["
+            + ",".join(json.dumps(k) for k in keep)
+            + "]"
+            + (f" routes {plan.route_list()}" if plan.formats else ""),
+        )
+        row = {
+            "event": "plan",
+            "fp8_share": plan.fp8_share,
+            "shares": plan.shares(),
+            "kept": [m.key for m in plan.wide],
+            "changes": changes,
+        }
+        trainer.fit_run.log_event(row, step)
+
+    def _choose_fp8(self, trainer, step: int, state, current: Plan | None) -> Plan:
+        # FP8 or wide, tracked again (up to ROUNDS) while keeping one wide changes
+        # what the other casts see; the trainer left on the plan's precision.
         plan, built = current, current  # `built`: the plan the trainer runs
         for _ in range(ROUNDS):
             plan = numerics.plan(
@@ -190,37 +271,49 @@ class Autopilot(Callback):
             built = plan
         if self.keep_of(plan) != self.keep_of(built):
             trainer.use_precision(self.precision(self.keep_of(plan)), state)
-        changes = plan.changes(current)
-        self.plans = [(s, p) for s, p in self.plans if s < step] + [(step, plan)]
-        self._write(step, plan)
-        for line in changes:
-            log.info("autopilot step %d: %s", step, line)
-        keep = self.keep_of(plan)
-        log.info(
-            "autopilot step %d: FP8 on %.1f%% of matmul FLOPs; %s",
-            step,
-            100 * plan.fp8_share,
-            "precision.keep=[" + ",".join(json.dumps(k) for k in keep) + "]",
+        return plan
+
+    def _choose_formats(self, trainer, step: int, state, current: Plan | None) -> Plan:
+        # Each format measured with every matmul in it (the user's `keep` wide),
+        # then the plan's precision built.
+        reports = {}
+        for f in self.formats:
+            trainer.use_precision(self.precision(self.keep, [], f), state)
+            reports[f] = self._reports(trainer, state, step)
+        plan = numerics.plan(
+            reports,
+            formats=self.formats,
+            **self.thresholds,
+            min_dim=self.min_dim,
+            previous=current,
+            hysteresis=HYSTERESIS,
         )
-        row = {
-            "event": "plan",
-            "fp8_share": plan.fp8_share,
-            "kept": [m.key for m in plan.wide],
-            "changes": changes,
-        }
-        trainer.fit_run.log_event(row, step)
+        trainer.use_precision(self._built(plan), state)
+        return plan
+
+    def _built(self, plan: Plan) -> Precision:
+        # The precision that runs `plan` (and the user's `keep`).
+        if plan.formats:
+            routes = [
+                r for r in plan.route_list() if r.rpartition("=")[0] not in self.keep
+            ]
+            return self.precision(self.keep_of(plan), routes, plan.base)
+        return self.precision(self.keep_of(plan))
 
     # -- what it leaves ----------------------------------------------------------
 
     def summary(self, steps: int) -> dict[str, Any]:
-        """`fp8_share` (the plan in effect at `steps`: its share of matmul FLOPs in
-        FP8), `fp8_share_run` (weighted by the steps each plan ran, up to
-        `steps`), `keep` (the final entries) and `plans` (how many were made)."""
+        """`fp8_share` (the plan in effect at `steps`: its share of matmul FLOPs
+        not kept wide), `fp8_share_run` (weighted by the steps each plan ran, up to
+        `steps`), `shares` (the final plan's share of each decision), `keep` and
+        `routes` (the final entries) and `plans` (how many were made)."""
         final = self.at(steps)
         return {
             "fp8_share": final.fp8_share if final else None,
             "fp8_share_run": self._share_of_run(steps),
+            "shares": final.shares() if final else {},
             "keep": self.keep_of(final),
+            "routes": final.route_list() if final else [],
             "plans": len(self.plans),
         }
 
@@ -265,6 +358,9 @@ class Autopilot(Callback):
             "keep": keep,
             "override": "precision.keep=[" + ",".join(map(json.dumps, keep)) + "]",
             "fp8_share": plan.fp8_share,
+            "shares": plan.shares(),
+            "routes": plan.route_list(),
+            "base": plan.base,
         }
         data = {
             "current": current,

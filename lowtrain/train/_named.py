@@ -8,7 +8,7 @@ fields the recipes' configs set."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import equinox as eqx
 import jax
@@ -18,7 +18,13 @@ from .. import fp8
 from .._amp import Policy, get_policy
 from .._loss_scale import AbstractLossScale, NoOpLossScale
 from ..scalify import cast_fp8, dynamic_rescale_l2, dynamic_rescale_l2_grad
-from ..unit_scaling import MATMULS, fp8_cast_rules, keep_scopes
+from ..unit_scaling import (
+    MATMULS,
+    format_scope,
+    fp8_cast_rules,
+    keep_scopes,
+    route_scopes,
+)
 from ._precisions import Amp, DelayedFp8, Rewrite, Scalify
 from ._protocol import Chain, Precision
 
@@ -211,6 +217,8 @@ def block_scaled(
     stochastic: bool | None = None,
     grads: str | None = None,
     keep: Sequence[str] = (),
+    routes: Sequence[str] | Mapping[str, str] = (),
+    base: str | None = None,
     min_dim: int = 0,
 ) -> Precision:
     """`precision="mxfp8"`, `"fp8_block"`, `"nvfp4"`: `Amp` with the policy of that
@@ -233,14 +241,23 @@ def block_scaled(
       inputs (NVFP4's recipe: on).
     - `stochastic`: the gradients rounded stochastically (NVFP4's recipe: on).
     - `grads`: the gradients' `lowtrain.fp8.BlockFormat` by name, e.g.
-      "mxfp8_e5m2" (Transformer Engine's "HYBRID" MXFP8).
+      "mxfp8_e5m2_ceil" (Transformer Engine's "HYBRID" MXFP8).
     - `keep`: matmuls kept in bfloat16 (`jax.named_scope` names, or a name, `@`
       and the right operand's shape: `lowtrain.unit_scaling.keep_scopes`), e.g. the
       last layers, which NVIDIA's NVFP4 recipe keeps in BF16.
+    - `routes`: matmuls run in another format, as `"<entry>=<format>"` strings or
+      a dict from entry to format (entries as `keep`'s; formats among `FORMATS`:
+      "nvfp4", "mxfp8", "fp8_block" or "fp8", per-tensor current scaling): how a
+      `lowtrain.numerics.Plan` with several formats applies (`Plan.routes`). A
+      recipe named here other than `recipe` runs as `lowtrain.fp8.BLOCK_RECIPES`
+      has it.
+    - `base`: the format of the matmuls neither `keep` nor `routes` names (one of
+      `FORMATS`; default `recipe`).
     - `min_dim`: matmuls whose GEMM has an M, N or K below it kept in bfloat16 too
       (`lowtrain.Policy.with_fp8_min_dim`).
 
     ```python
+    import jax
     import jax.numpy as jnp
     import lowtrain
 
@@ -249,6 +266,18 @@ def block_scaled(
     assert recipe.stochastic and not recipe.hadamard
     f = p.wrap_model(lambda x, w: x @ w)  # float32 out, as the policy's output
     assert f(jnp.ones((2, 32)), jnp.ones((32, 16)))[0, 0] == 32.0
+
+    def two(x, w):
+        with jax.named_scope("a"):
+            a = x @ w
+        with jax.named_scope("b"):
+            b = x @ w
+        return a, b
+
+    x, w = jnp.full((1, 32), 0.2).at[0, 0].set(6.0), jnp.ones((32, 1))
+    mixed = lowtrain.train.block_scaled("nvfp4", routes=["b=mxfp8"]).wrap_model(two)
+    a, b = mixed(x, w)
+    assert a[0, 0] == 9.1875 and abs(b[0, 0] - 12.2) < 0.2  # 0.2 flushes in NVFP4
     ```
     """
     policy = get_policy(recipe)
@@ -276,11 +305,53 @@ def block_scaled(
     if changes:
         policy = policy.with_block(dataclasses.replace(block, **changes))
     policy = policy.with_fp8_min_dim(min_dim)
-    if not keep:
+    if base is not None:
+        policy = policy.with_rules(dot_general=_format(base, "base"))
+    routed = _routes(routes)
+    if not keep and not routed:
         return Chain(Amp(policy))
-    # A kept matmul runs in `fp8.KEEP_SCOPE` (`keep_op`): in the compute dtype.
-    policy = policy.with_scopes({fp8.KEEP_SCOPE: "compute"})
-    return Chain(Rewrite({}, keep_scopes(list(keep), amax=True)), Amp(policy))
+    # A kept matmul runs in `fp8.KEEP_SCOPE` (`keep_op`): in the compute dtype; a
+    # routed one in its format's scope, which the policy maps to that format.
+    scopes = {format_scope(f): f for f in set(routed.values())}
+    policy = policy.with_scopes({fp8.KEEP_SCOPE: "compute", **scopes})
+    table = route_scopes({**routed, **dict.fromkeys(keep, "wide")}, amax=True)
+    return Chain(Rewrite({}, table), Amp(policy))
+
+
+# The formats a block-scaled precision routes a matmul to (`block_scaled`'s
+# `routes` and `base`): the block recipes, and per-tensor current-scaled FP8.
+FORMATS = ("nvfp4", "mxfp8", "fp8_block", "fp8")
+
+
+def _format(name, what: str) -> str:
+    if name not in FORMATS:
+        raise ValueError(
+            f"Expected a format among {', '.join(FORMATS)} for `{what}`, got "
+            f"{name!r} instead."
+        )
+    return name
+
+
+def _routes(routes: Sequence[str] | Mapping[str, str]) -> dict[str, str]:
+    # `routes` as a dict, entry -> format, checked.
+    if isinstance(routes, Mapping):
+        pairs = list(routes.items())
+    elif isinstance(routes, str) or not all(isinstance(r, str) for r in routes):
+        raise TypeError(
+            "Expected `routes` as a list of '<entry>=<format>' strings, e.g. "
+            f"['attn=mxfp8'], or a dict, got {routes!r} instead."
+        )
+    else:
+        pairs = []
+        for r in routes:
+            entry, eq, name = r.rpartition("=")
+            if not eq or not entry:
+                raise ValueError(
+                    f"Expected a route as '<entry>=<format>', e.g. 'attn=mxfp8', "
+                    f"got {r!r} instead."
+                )
+            pairs.append((entry, name))
+    return {str(e): _format(f, f"routes[{e!r}]") for e, f in pairs}
 
 
 # Each name and what it builds in Python (`python -m lowtrain precision=<name>`

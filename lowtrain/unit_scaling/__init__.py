@@ -28,11 +28,13 @@ from ._residual import (
     transformer_residual_scaling_rule as transformer_residual_scaling_rule,
 )
 from ._simulate import MATMULS as MATMULS
+from ._simulate import format_scope as format_scope
 from ._simulate import fp8_cast_op as fp8_cast_op
 from ._simulate import fp8_cast_rules as fp8_cast_rules
 from ._simulate import fp8_weight_cast_op as fp8_weight_cast_op
 from ._simulate import keep_scopes as keep_scopes
 from ._simulate import parse_keep as parse_keep
+from ._simulate import route_scopes as route_scopes
 from ._simulate import simulate_fp8 as simulate_fp8
 from ._transform import unit_scale as unit_scale
 from ._transformer import MHSA as MHSA

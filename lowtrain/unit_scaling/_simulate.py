@@ -12,6 +12,7 @@ from jaxtyping import Array
 from .._rewrite import rewrite
 from ..fp8 import E4M3, E5M2, dequantize, fp8_dot_general, gemm_dims
 from ..fp8.internal import (
+    FORMAT_SCOPE,
     ROUNDINGS,
     from_bits,
     keep_op,
@@ -270,26 +271,57 @@ def simulate_fp8(
 
 
 @dataclasses.dataclass(frozen=True)
-class _KeepShapes:
-    # Inside a kept scope, the matmuls whose right operand has one of `shapes` are
-    # kept (`keep_op`); the others run `rule` (None: as written). Hashable by value.
-    shapes: frozenset
-    rule: Callable | None
-    amax: bool
-
-    def __call__(self, op, lhs: Array, rhs: Array) -> Array:
-        if tuple(jnp.shape(rhs)) in self.shapes:
-            return keep_op(op, lhs, rhs, amax=self.amax)
-        return op(lhs, rhs) if self.rule is None else self.rule(op, lhs, rhs)
-
-
-@dataclasses.dataclass(frozen=True)
 class _Kept:
     # `keep_op` with the shadows' scaling (`amax`: current scaling's), hashable.
     amax: bool
 
     def __call__(self, op, lhs: Array, rhs: Array) -> Array:
         return keep_op(op, lhs, rhs, amax=self.amax)
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFormat:
+    # `op` inside the scope that names `fmt` (`format_scope`), hashable.
+    fmt: str
+
+    def __call__(self, op, lhs: Array, rhs: Array) -> Array:
+        with jax.named_scope(format_scope(self.fmt)):
+            return op(lhs, rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ByShape:
+    # Inside a routed scope, the matmuls whose right operand has a shape of `routes`
+    # run its rule; the others run `rule` (None: as written). Hashable by value.
+    routes: tuple[tuple[tuple[int, ...], Callable], ...]
+    rule: Callable | None
+
+    @property
+    def shapes(self) -> set[tuple[int, ...]]:
+        return {shape for shape, _ in self.routes}
+
+    def __call__(self, op, lhs: Array, rhs: Array) -> Array:
+        shape = tuple(jnp.shape(rhs))
+        for routed, rule in self.routes:
+            if routed == shape:
+                return rule(op, lhs, rhs)
+        return op(lhs, rhs) if self.rule is None else self.rule(op, lhs, rhs)
+
+
+WIDE = "wide"
+
+
+def format_scope(fmt: str) -> str:
+    """The `jax.named_scope` a matmul that `route_scopes` sends to format `fmt`
+    runs in: `"lowtrain.format|<fmt>"`.
+
+    ```python
+    import lowtrain.unit_scaling as uu
+
+    assert uu.format_scope("nvfp4") == "lowtrain.format|nvfp4"
+    ```
+    """
+    return f"{FORMAT_SCOPE}|{fmt}"
 
 
 def parse_keep(entry: str) -> tuple[str, tuple[int, ...] | None]:
@@ -353,24 +385,74 @@ def keep_scopes(
             "Expected `keep` as a list of `jax.named_scope` names, e.g. "
             f"['linear_2', 'projection'], got {keep!r} instead."
         )
-    whole: set[str] = set()
-    shapes: dict[str, set] = {}
-    for entry in keep:
+    return route_scopes(dict.fromkeys(keep, WIDE), rules, amax=amax)
+
+
+def route_scopes(
+    routes: dict[str, str], rules: dict | None = None, *, amax: bool = False
+) -> dict[str, dict]:
+    """`lowtrain.rewrite`'s `scopes=` that runs each matmul `routes` selects in its
+    own format: `routes` maps a `keep` entry (a scope name or glob, or such a name,
+    `@` and the right operand's shape: `parse_keep`) to `"wide"` (kept out of FP8,
+    as `keep_scopes` keeps it) or a format's name, which runs the matmul inside the
+    scope `format_scope(name)` (`"lowtrain.format|nvfp4"`): a `lowtrain.Policy`
+    that maps that scope to the action of the same name runs it so. How a
+    `lowtrain.numerics.Plan` with several formats applies (`Plan.routes`).
+
+    - `routes`: entry -> `"wide"` or a format's name.
+    - `rules`: what the other matmuls of a scope named with a shape run (None: as
+      written), as `keep_scopes`'.
+    - `amax`: whether a wide matmul's shadow casts use each tensor's own amax
+      (current scaling's) rather than scale 1 (`lowtrain.fp8.keep_op`).
+
+    ```python
+    import jax
+    import jax.numpy as jnp
+    import lowtrain
+    import lowtrain.unit_scaling as uu
+
+    def f(x, w):
+        with jax.named_scope("attn"):
+            return x @ w
+
+    table = uu.route_scopes({"attn": "mxfp8", "mlp@128x512": "wide"})
+    assert table["mlp"]["dot_general"].shapes == {(128, 512)}
+    policy = lowtrain.get_policy("nvfp4").with_scopes(
+        {uu.format_scope("mxfp8"): "mxfp8"}
+    )
+    routed = lowtrain.amp(lowtrain.rewrite(f, {}, scopes=table), policy)
+    x, w = jnp.full((1, 32), 0.2).at[0, 0].set(6.0), jnp.ones((32, 1))
+    assert abs(routed(x, w)[0, 0] - 12.2) < 0.2  # MXFP8: E4M3 keeps 0.2 next to 6
+    assert lowtrain.amp(f, policy)(x, w)[0, 0] == 9.1875  # NVFP4: 15 of them flush
+    ```
+    """
+    if not isinstance(routes, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in routes.items()
+    ):
+        raise TypeError(
+            "Expected `routes` as a dict from `keep` entries to format names, e.g. "
+            f"{{'attn': 'mxfp8', 'projection': 'wide'}}, got {routes!r} instead."
+        )
+    rule_of = lambda fmt: _Kept(amax) if fmt == WIDE else _InFormat(fmt)  # noqa: E731
+    whole: dict[str, str] = {}
+    shapes: dict[str, dict] = {}
+    for entry, fmt in routes.items():
         scope, shape = parse_keep(entry)
         if shape is None:
-            whole.add(scope)
+            whole[scope] = fmt
         else:
-            shapes.setdefault(scope, set()).add(shape)
-    kept = _Kept(amax)
-    table = {name: dict.fromkeys(MATMULS, kept) for name in sorted(whole)}
+            shapes.setdefault(scope, {})[shape] = fmt
+    table = {
+        name: dict.fromkeys(MATMULS, rule_of(fmt))
+        for name, fmt in sorted(whole.items())
+    }
     for name, found in sorted(shapes.items()):
         if name in whole:
             continue
         other = dict(rules or {})
+        by_shape = tuple(sorted((s, rule_of(f)) for s, f in found.items()))
         table[name] = {
             **other,
-            "dot_general": _KeepShapes(
-                frozenset(found), other.get("dot_general"), amax
-            ),
+            "dot_general": _ByShape(by_shape, other.get("dot_general")),
         }
     return table
