@@ -234,11 +234,8 @@ class Plan:
                     cells.append(f"{'-':>20}")
                     continue
                 err = max(c[3] for c in casts.values())
-                flush = (
-                    max(c[1] for c in casts.values() if not c[4])
-                    if any(not c[4] for c in casts.values())
-                    else 0.0
-                )
+                # A stochastically rounded cast's flush is no loss (`_judge`).
+                flush = max((c[1] for c in casts.values() if not c[4]), default=0.0)
                 sat = max(c[2] for c in casts.values())
                 cells.append(f"{100 * err:6.1f}/{100 * flush:5.1f}/{100 * sat:<6.2f}")
             cells = " ".join(f"{c:>20}" for c in cells)
