@@ -46,12 +46,18 @@ def _dense(key, k=256, n=128):
 
 
 def _quantized(jaxpr):
-    # (input shape, elements dtype, scales shape) of every block quantization.
-    return [
-        (e.invars[0].aval.shape, e.outvars[0].aval.dtype, e.outvars[1].aval.shape)
-        for e in iter_eqns(jaxpr)
-        if e.primitive.name in ("pjit", "jit") and e.params["name"] == "_block_quantize"
-    ]
+    # (input shape, scales shape) of every block quantization: a fake quantization
+    # (the rounded values times their scales), whose blocks' shape is that of its
+    # per-block finiteness check.
+    found = []
+    for e in iter_eqns(jaxpr):
+        if e.primitive.name in ("pjit", "jit") and e.params["name"] == "_fake_quantize":
+            inner = e.params["jaxpr"]
+            (blocks,) = [
+                q for q in iter_eqns(inner) if q.primitive.name == "reduce_and"
+            ]
+            found.append((e.invars[0].aval.shape, blocks.outvars[0].aval.shape))
+    return found
 
 
 def _scales(shape, fmt, axis):
@@ -70,14 +76,13 @@ def test_jaxpr_quantizes_each_matmul_by_its_role_and_nothing_else(name, getkey):
     x = jax.random.normal(getkey(), (8, 256))
     found = _quantized(jax.make_jaxpr(lowtrain.amp(net, name))(x))
     act, w = recipe.activations, recipe.weights
-    elements = act.elements
     expected = [
-        ((8, 256), elements, _scales((8, 256), act, 1)),  # x: an activation
-        ((256, 128), elements, _scales((256, 128), w, 0)),  # the kernel: a weight
-        ((8, 128), elements, _scales((8, 128), act, 1)),  # h @ h.T: both activations
-        ((128, 8), elements, _scales((128, 8), act, 0)),
-        ((8, 8), elements, _scales((8, 8), act, 1)),  # scores @ h
-        ((8, 128), elements, _scales((8, 128), act, 0)),
+        ((8, 256), _scales((8, 256), act, 1)),  # x: an activation
+        ((256, 128), _scales((256, 128), w, 0)),  # the kernel: a weight
+        ((8, 128), _scales((8, 128), act, 1)),  # h @ h.T: both activations
+        ((128, 8), _scales((128, 8), act, 0)),
+        ((8, 8), _scales((8, 8), act, 1)),  # scores @ h
+        ((8, 128), _scales((8, 128), act, 0)),
     ]
     assert found == expected  # and none for the matrix-vector product
     assert _quantized(jax.make_jaxpr(lowtrain.amp(net, "bf16"))(x)) == []
@@ -201,7 +206,7 @@ def test_each_nvfp4_switch_changes_what_it_names(getkey):
     # 2-D weight tiles off: the kernel in 1x16 blocks, the input as it was.
     fwd = lambda p: _quantized(jax.make_jaxpr(p.wrap_model(dense))(x))  # noqa: E731
     one_d = lowtrain.train.block_scaled("nvfp4", weight_2d=False)
-    assert fwd(full)[1][2] == (16, 8) and fwd(one_d)[1][2] == (16, 128)
+    assert fwd(full)[1][1] == (16, 8) and fwd(one_d)[1][1] == (16, 128)
     assert fwd(full)[0] == fwd(one_d)[0]
 
     # `keep`: the matmuls in scope "head" in bfloat16, the others block-scaled.

@@ -15,6 +15,9 @@ from jax import lax
 
 import lowtrain.fp8 as fp8
 from lowtrain import _compat
+from lowtrain.fp8._quantize import _nearest
+
+from .helpers import iter_eqns
 
 F32 = jnp.float32
 HIGHEST = lax.Precision.HIGHEST
@@ -436,6 +439,99 @@ def test_agrees_with_jax_quantizer_nvfp4():
     assert _bits(q.scales) == _bits(scales)
     # The tensor scale block_quantize computes itself is that same amax / 2688.
     assert float(fp8.block_quantize(x, fp8.NVFP4).tensor_scale) == float(g[0])
+
+
+def test_nvfp4_divides_in_jax_order_under_jit():
+    # NVFP4's elements are `(x / s_t) / s_b`, two roundings, as JAX's quantizer
+    # computes them; XLA folds two divisions into `x / (s_t * s_b)`, which rounds
+    # once and moves this element from 5.0000005 (-> 6) to the tie 5.0 (-> 4).
+    x = np.zeros((2, 16), np.float32)
+    x[0, :2], x[1, 0] = [489.0, 407.51917], 912.84283  # s_b 240, s_t amax / 2688
+    s_t = np.float32(x.max() / np.float32(2688))
+    assert np.float32(x[0, 1] / s_t) / np.float32(240) > 5.0
+    assert x[0, 1] / np.float32(s_t * np.float32(240)) == 5.0  # the folded order
+    q = fp8.block_quantize(x, fp8.NVFP4)
+    assert _values(q.scales)[0, 0] == 240.0 and _values(q.elements)[0, :2].tolist() == [
+        6.0,
+        6.0,
+    ]
+    elements, _ = _jax_quantize(x, "nvfp4", s_t.reshape(1))
+    assert _bits(q.elements) == _bits(elements)
+    fake = jax.jit(lambda x: fp8.block_fake_quantize(x, fp8.NVFP4))(x)
+    np.testing.assert_array_equal(fake, q.dequantize())
+
+
+@pytest.mark.parametrize("dtype", [fp8.E4M3, fp8.E5M2, fp8.E2M1])
+def test_float_rounding_is_the_cast_bit_for_bit(dtype):
+    # The quantizers round in float32 arithmetic (XLA:CPU's casts to FP8 and FP4
+    # are emulated, value by value); that rounding is ml_dtypes' cast bit for bit,
+    # signed zeros and NaN included, over every 61st float32 within the format's
+    # range (its subnormals, normals, ties and largest value among them).
+    top = np.float32(jnp.finfo(dtype).max)
+    bits = np.arange(0, 0x7F800000, 61, dtype=np.uint32)
+    v = bits.view(np.float32)
+    v = v[v <= top]
+    nan = [np.nan] if dtype != fp8.E2M1 else []  # E2M1 has none (a block's is 0)
+    v = np.concatenate([v, -v, [top, -top, *nan]]).astype(np.float32)
+    want = v.astype(dtype).astype(np.float32)
+    got = np.asarray(jax.jit(_nearest, static_argnums=1)(v, dtype))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def _specials(shape, seed) -> np.ndarray:
+    # Values over 2**-40 to 2**20, with a block of zeros, one of tiny values (its
+    # E4M3 scale underflows in NVFP4), and an infinity and a NaN in their blocks.
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 2.0 ** rng.integers(-40, 20, shape)
+    x = x.astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    flat[0, :16], flat[1, :16] = 0.0, 1e-30
+    flat[2, 3], flat[-1, -1] = np.inf, np.nan
+    return x
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fake_quantize_is_the_round_trip_bit_for_bit(name):
+    # `block_fake_quantize` (what a simulated GEMM multiplies: the rounded values
+    # times their scales, no narrow dtypes in between) is `block_quantize` then
+    # `dequantize`, for each axis, with 2-D tiles, axes shorter than a block and
+    # partial blocks, rounded to nearest or stochastically, special values in.
+    fmt = fp8.block_format(name)
+    x = _specials((40, 3, 150), 1)
+    for axis, rounding in [(-1, "nearest"), (0, "stochastic"), (1, "nearest")]:
+        fq = fp8.block_fake_quantize(x, fmt, axis=axis, rounding=rounding)
+        q = fp8.block_quantize(x, fmt, axis=axis, rounding=rounding)
+        np.testing.assert_array_equal(
+            fq.view(np.uint32), q.dequantize().view(np.uint32)
+        )
+
+
+def test_no_narrow_casts_or_transposes_in_a_fake_quantize():
+    # XLA:CPU emulates casts to FP8 and FP4 value by value: a fake quantization
+    # rounds in float arithmetic and makes no narrow array. Blocks along a leading
+    # axis are split in place: no transpose either.
+    x = jax.ShapeDtypeStruct((64, 96), F32)
+    for name in ["mxfp8_e4m3_ceil", "nvfp4", "fp8_128x128"]:
+        fq = functools.partial(fp8.block_fake_quantize, format=name, axis=0)
+        jaxpr = jax.make_jaxpr(fq)(x)
+        dtypes = {str(v.aval.dtype) for e in iter_eqns(jaxpr) for v in e.outvars}
+        assert not dtypes & {"float8_e4m3fn", "float8_e5m2", "float4_e2m1fn"}, name
+        assert not [e for e in iter_eqns(jaxpr) if e.primitive.name == "transpose"]
+        hlo = jax.jit(fq).lower(x).compile().as_text()
+        assert "f8e4m3fn" not in hlo and "f4e2m1fn" not in hlo, name
+
+
+def test_stochastic_draws_follow_the_blocks_not_the_memory_layout():
+    # Without a key each value's draw hashes its position in the blocks laid out
+    # one after another: the same tensor blocked along axis 0, or transposed and
+    # blocked along axis 1, rounds alike.
+    x = _specials((48, 40), 2)
+    for name in ["nvfp4", "mxfp4", "fp8_128x128"]:
+        a = fp8.block_fake_quantize(x, name, axis=0, rounding="stochastic")
+        b = fp8.block_fake_quantize(x.T, name, axis=1, rounding="stochastic")
+        np.testing.assert_array_equal(
+            a.view(np.uint32), np.asarray(b).T.view(np.uint32)
+        )
 
 
 def _matmul(a, b):

@@ -14,7 +14,7 @@ from jaxtyping import Array, PRNGKeyArray
 from ._blocks import (
     BlockFormat,
     _axes,
-    _block_quantize,
+    _fake_quantize,
     block_format,
     block_site,
 )
@@ -221,8 +221,7 @@ def _qdq(
             "use a format with 1-D blocks for it."
         )
     axis, tile_axis = _axes(x.ndim, fmt, axis, tile_axis)
-    q = _block_quantize(x, None, key, fmt, axis, tile_axis, stochastic, site)
-    return q.dequantize(F32)
+    return _fake_quantize(x, None, key, fmt, axis, tile_axis, stochastic, site)
 
 
 def _hadamard16() -> np.ndarray:

@@ -82,7 +82,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from ._formats import E4M3, E5M2
-from ._quantize import _stochastic
+from ._quantize import _nearest, _pow2, _stochastic, _uniform_bits
 from ._sites import Site, probed
 
 F32 = jnp.dtype(jnp.float32)
@@ -298,15 +298,8 @@ class BlockScaled(eqx.Module):
     def _values(self, dtype) -> Array:
         layout = _Layout(self.elements.shape, self.format, self.axis, self.tile_axis)
         q = layout.blocks(self.elements.astype(F32))
-        s = layout.scale_blocks(self.scales)
-        if self.format.scales == E8M0:
-            bits = lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)
-            values = _times_pow2(q, bits - 127)
-            values = jnp.where(bits == 255, jnp.nan, values)
-        else:
-            values = q * s.astype(F32)  # exact for NVFP4: E2M1 times E4M3
-            if self.tensor_scale is not None:
-                values = values * self.tensor_scale
+        scales = _raw(self.scales, self.format)
+        values = _scaled(q, scales, self.tensor_scale, layout)
         return layout.unblock(values).astype(dtype)
 
 
@@ -379,6 +372,15 @@ def block_quantize(
     assert q4.tensor_scale.dtype == jnp.float32
     ```
     """
+    fmt, x, axis, tile_axis, tensor_scale, stochastic = _checked(
+        x, format, axis, tile_axis, tensor_scale, key, rounding
+    )
+    return _block_quantize(x, tensor_scale, key, fmt, axis, tile_axis, stochastic)
+
+
+def _checked(x, format, axis, tile_axis, tensor_scale, key, rounding):
+    # `block_quantize`'s arguments checked: (format, x, axis, tile_axis, tensor
+    # scale, stochastic).
     fmt = block_format(format)
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -400,7 +402,7 @@ def block_quantize(
             "instead."
         )
     stochastic = key is not None or rounding == "stochastic"
-    return _block_quantize(x, tensor_scale, key, fmt, axis, tile_axis, stochastic)
+    return fmt, x, axis, tile_axis, tensor_scale, stochastic
 
 
 _ROUNDINGS = ("nearest", "stochastic")
@@ -413,10 +415,27 @@ def _block_quantize(
     # One compiled program per shape and format, also when called eagerly. `site`:
     # the `Site` the cast is named as (`block_site`), for a numerics report.
     layout = _Layout(x.shape, fmt, axis, tile_axis)
-    x32 = x.astype(F32)
-    s_t = _tensor_scale(x32, fmt, tensor_scale)
-    q, s = _quantize_blocks(layout.blocks(x32), fmt, s_t, key, stochastic, site)
-    return BlockScaled(layout.unblock(q), layout.unscale(s), s_t, fmt, axis, tile_axis)
+    r, s, s_t = _quantize_blocks(
+        layout.blocks(x.astype(F32)), layout, tensor_scale, key, stochastic, site
+    )
+    # A NaN-scaled block: NaN elements where the format has a NaN, 0 in E2M1.
+    nan = s == 255 if fmt.scales == E8M0 else jnp.isnan(s)
+    r = jnp.where(layout.spread(nan), 0.0 if fmt.elements == E2M1 else jnp.nan, r)
+    elements = layout.unblock(r).astype(fmt.elements)  # exact: `r` is on its grid
+    return BlockScaled(elements, _stored(s, fmt), s_t, fmt, axis, tile_axis)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
+def _fake_quantize(
+    x, tensor_scale, key, fmt, axis, tile_axis, stochastic=False, site=None, dtype=F32
+) -> Array:
+    # `_block_quantize(...).dequantize(dtype)` bit for bit, without the round trip
+    # through the element dtype: the rounded values times their scales.
+    layout = _Layout(x.shape, fmt, axis, tile_axis)
+    r, s, s_t = _quantize_blocks(
+        layout.blocks(x.astype(F32)), layout, tensor_scale, key, stochastic, site
+    )
+    return layout.unblock(_scaled(r, s, s_t, layout)).astype(dtype)
 
 
 def block_fake_quantize(
@@ -430,8 +449,10 @@ def block_fake_quantize(
     rounding: str = "nearest",
 ) -> Array:
     """`x` after a round trip through the block-scaled `format`, in `x`'s dtype:
-    `block_quantize(x, format, ...).dequantize(x.dtype)`, what a simulated
-    block-scaled GEMM multiplies (`block_dot_general`).
+    `block_quantize(x, format, ...).dequantize(x.dtype)` bit for bit, what a
+    simulated block-scaled GEMM multiplies (`block_dot_general`). Computed without
+    the narrow dtypes: the elements rounded in float32 arithmetic, times their
+    scales.
 
     **Arguments:**
 
@@ -459,17 +480,12 @@ def block_fake_quantize(
     assert y.dtype == jnp.bfloat16 and y[0, :3].tolist() == [6.0, 2.0, 0.5]
     ```
     """
-    x = jnp.asarray(x)
-    q = block_quantize(
-        x,
-        format,
-        axis=axis,
-        tile_axis=tile_axis,
-        tensor_scale=tensor_scale,
-        key=key,
-        rounding=rounding,
+    fmt, x, axis, tile_axis, tensor_scale, stochastic = _checked(
+        x, format, axis, tile_axis, tensor_scale, key, rounding
     )
-    return q.dequantize(x.dtype)
+    return _fake_quantize(
+        x, tensor_scale, key, fmt, axis, tile_axis, stochastic, None, x.dtype
+    )
 
 
 # -- internals -----------------------------------------------------------------------
@@ -503,71 +519,116 @@ def _axes(ndim: int, fmt: BlockFormat, axis: int, tile_axis: int | None):
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """The blocks of a tensor of `shape`: `blocks` moves the tile axis and the block
-    axis last, pads them with zeros to whole blocks and splits each in two, giving
-    `(*rest, T / tile, tile, K / length, length)` (a 1-D block has a tile axis of
-    size 1 inserted); its scales are `(*rest, T / tile, K / length)`."""
+    """The blocks of a tensor of `shape`, each blocked axis split in place: `blocks`
+    reshapes the block axis (and the tile axis) into `(blocks, block)`, so a block's
+    elements lie along the `reduced` axes (no transpose); its scales are the
+    tensor's shape with each blocked axis shortened to its number of blocks, the
+    layout of `BlockScaled.scales`. A length the block does not divide is padded
+    with zeros to whole blocks, except a length shorter than one block, which is
+    one partial block as it is (zeros change no amax)."""
 
     shape: tuple[int, ...]
     format: BlockFormat
     axis: int
     tile_axis: int | None
 
-    def _moved(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        # The axes of the moved layout: `src` moved to `dst`.
-        if self.tile_axis is None:
-            return (self.axis,), (-1,)
-        return (self.tile_axis, self.axis), (-2, -1)
+    @functools.cached_property
+    def _dims(self) -> tuple[tuple[int, object, int], ...]:
+        # The blocked layout's dimensions as (size, part, padded size): a tensor
+        # axis `d` not blocked, or "kn", "kb" (blocks and their length along
+        # `axis`), "tn", "tb" (along `tile_axis`); the padded size is a whole
+        # block's, where a short axis is one partial block.
+        (tb, kb), dims = self.format.block, []
+        for d, n in enumerate(self.shape):
+            if d in (self.axis, self.tile_axis):
+                block, c = (kb, "k") if d == self.axis else (tb, "t")
+                if n <= block:  # one partial block, unpadded
+                    dims += [(1, c + "n", 1), (n, c + "b", block)]
+                else:
+                    dims += [(-(-n // block), c + "n", -(-n // block))]
+                    dims += [(block, c + "b", block)]
+            else:
+                dims.append((n, d, n))
+        return tuple(dims)
 
-    def _sizes(self) -> tuple[int, int]:
-        t = 1 if self.tile_axis is None else self.shape[self.tile_axis]
-        return t, self.shape[self.axis]
+    @property
+    def _shape(self) -> list[int]:
+        return [size for size, _, _ in self._dims]
+
+    @property
+    def reduced(self) -> tuple[int, ...]:
+        # The axes of `blocks` that run within a block.
+        parts = [part for _, part, _ in self._dims]
+        return tuple(i for i, part in enumerate(parts) if part in ("tb", "kb"))
+
+    def _merged(self) -> list[int]:
+        # The tensor's shape padded to whole blocks (a short axis unpadded).
+        merged, sizes = [], iter(self._dims)
+        for d in range(len(self.shape)):
+            size = next(sizes)[0]
+            if d in (self.axis, self.tile_axis):
+                size *= next(sizes)[0]
+            merged.append(size)
+        return merged
 
     def blocks(self, x: Array) -> Array:
-        src, dst = self._moved()
-        x = jnp.moveaxis(x, src, dst)
-        if self.tile_axis is None:
-            x = x[..., None, :]
-        (tb, kb), (t, k) = self.format.block, self._sizes()
-        tn, kn = -(-t // tb), -(-k // kb)
-        pad = [(0, 0)] * (x.ndim - 2) + [(0, tn * tb - t), (0, kn * kb - k)]
-        x = jnp.pad(x, pad)
-        return x.reshape(*x.shape[:-2], tn, tb, kn, kb)
+        merged = self._merged()
+        if merged != list(self.shape):
+            x = jnp.pad(
+                x, [(0, m - n) for m, n in zip(merged, self.shape, strict=True)]
+            )
+        return x.reshape(self._shape)
 
     def unblock(self, xb: Array) -> Array:
-        t, k = self._sizes()
-        x = xb.reshape(*xb.shape[:-4], -1, xb.shape[-2] * xb.shape[-1])[..., :t, :k]
-        if self.tile_axis is None:
-            x = x[..., 0, :]
-        src, dst = self._moved()
-        return jnp.moveaxis(x, dst, src)
+        x = xb.reshape(self._merged())
+        if list(x.shape) != list(self.shape):
+            x = x[tuple(slice(0, n) for n in self.shape)]
+        return x
 
-    def unscale(self, s: Array) -> Array:
-        # (*rest, T / tile, K / length) -> the scales' layout: the tensor's.
-        if self.tile_axis is None:
-            s = s[..., 0, :]
-        src, dst = self._moved()
-        return jnp.moveaxis(s, dst, src)
-
-    def scale_blocks(self, s: Array) -> Array:
+    def spread(self, s: Array) -> Array:
         # The scales' layout -> broadcastable against `blocks`.
-        src, dst = self._moved()
-        s = jnp.moveaxis(s, src, dst)
-        if self.tile_axis is None:
-            s = s[..., None, :]
-        return s[..., :, None, :, None]
+        return jnp.expand_dims(s, self.reduced)
+
+    def _moved(self) -> tuple[list, dict]:
+        # The parts in the order of the blocks laid out one after another, padded to
+        # whole blocks: `(*other axes, T / tile, tile, K / length, length)` (1-D
+        # blocks: tile 1), and the size of each.
+        sizes = {"tn": 1, "tb": 1} | {part: pad for _, part, pad in self._dims}
+        order = [part for _, part, _ in self._dims if isinstance(part, int)]
+        return order + ["tn", "tb", "kn", "kb"], sizes
+
+    def moved_shape(self) -> tuple[int, ...]:
+        order, sizes = self._moved()
+        return tuple(sizes[part] for part in order)
+
+    def moved_index(self) -> Array:
+        """Each element's position (uint32, `blocks`' shape) in the row-major order
+        of `moved_shape`, where the stochastic rounding's draws are indexed."""
+        order, sizes = self._moved()
+        strides, stride = {}, 1
+        for part in reversed(order):
+            strides[part], stride = stride, stride * sizes[part]
+        index = jnp.zeros(self._shape, jnp.uint32)
+        for i, (_, part, _) in enumerate(self._dims):
+            iota = lax.broadcasted_iota(jnp.uint32, self._shape, i)
+            index = index + iota * jnp.uint32(strides[part])
+        return index
+
+    def from_moved(self, a: Array) -> Array:
+        """`a`, of `moved_shape`, in `blocks`' layout (a short axis's padding cut)."""
+        order, _ = self._moved()
+        parts = [part for _, part, _ in self._dims]
+        kept = [i for i, part in enumerate(order) if part in parts]
+        a = a.reshape([a.shape[i] for i in kept])  # drops a 1-D block's tile axes
+        order = [order[i] for i in kept]
+        a = jnp.transpose(a, [order.index(part) for part in parts])
+        return a[tuple(slice(0, size) for size in self._shape)]
 
 
-def _tensor_scale(x32: Array, fmt: BlockFormat, given) -> Array | None:
-    # NVFP4's per-tensor decode scale: amax / (scale max * element max), from the
-    # largest finite |x| (an overflowed block is NaN by itself and does not shrink
-    # the others), 1 for a tensor of zeros; or the one given.
-    if not fmt.tensor_scale:
-        return None
-    if given is not None:
-        return given
-    finite = jnp.where(jnp.isfinite(x32), jnp.abs(x32), 0.0)
-    amax = jnp.max(finite) if x32.size else jnp.float32(0.0)
+def _tensor_scale(amax: Array, fmt: BlockFormat) -> Array:
+    # NVFP4's per-tensor decode scale from the tensor's largest finite |x| (an
+    # overflowed block is NaN by itself and does not shrink the others): amax /
+    # (scale max * element max), 1 for a tensor of zeros.
     denominator = _max(fmt.scales) * _max(fmt.elements)
     return jnp.where(amax > 0, _div(amax, denominator), 1.0).astype(F32)
 
@@ -586,23 +647,33 @@ def _div(a: Array, b) -> Array:
     # `a / b`, a true float32 division. XLA turns a division by a constant or by a
     # broadcast into a multiplication by the rounded reciprocal (`x / 448` into
     # `x * 0.00223214`, `x / broadcast(s)` into `x * broadcast(1 / s)`), which can
-    # differ in the last bit, so the divisor goes behind a barrier at full shape.
+    # differ in the last bit, so the divisor is made to depend on `a`: where `a` is
+    # NaN it is 1 (the quotient is NaN either way). That select fuses into the
+    # division's loop, where a barrier would write the divisor out at full shape.
+    # XLA also folds `(a / b) / c` into `a / (b * c)` (NVFP4's `x / s_t / s_b`),
+    # which rounds differently, so the quotient leaves through a select too.
     b = jnp.broadcast_to(jnp.asarray(b, F32), jnp.shape(a))
-    return a / lax.optimization_barrier(b)
+    nan = jnp.isnan(a)
+    return jnp.where(nan, a, a / jnp.where(nan, F32.type(1.0), b))
 
 
-def _pow2(k: Array) -> Array:
-    # 2**k in float32, for int32 k in [-126, 127]: a normal number, exactly.
-    return lax.bitcast_convert_type((k + 127) << 23, F32)
+def _pow2_factors(e: Array, nan: Array | None = None) -> tuple[Array, Array]:
+    # Two float32 factors whose product is 2**e, for int32 e in [-252, 252]: multiplying
+    # by both is exact while the result is a normal float32 (two normal factors of the
+    # same sign of exponent, so the intermediate lies between x and the result; 2**-127,
+    # E8M0's byte 0, is a float32 subnormal, which XLA:CPU flushes to zero). Where
+    # `nan`, the first is NaN.
+    half = e >> 1  # floor(e / 2)
+    first = _pow2(half)
+    if nan is not None:
+        first = jnp.where(nan, jnp.nan, first)
+    return first, _pow2(e - half)
 
 
 def _times_pow2(x: Array, e: Array) -> Array:
-    # x * 2**e for int32 e in [-252, 252], exact while the result is a normal float32:
-    # two normal factors of the same sign of exponent, so the intermediate lies
-    # between x and the result (2**-127, E8M0's byte 0, is a float32 subnormal, which
-    # XLA:CPU flushes to zero).
-    half = jnp.floor_divide(e, 2)
-    return x * _pow2(half) * _pow2(e - half)
+    # x * 2**e for int32 e in [-252, 252] (`_pow2_factors`).
+    first, second = _pow2_factors(e)
+    return x * first * second
 
 
 def _pow2_exponent(amax: Array, fmt: BlockFormat) -> Array:
@@ -625,41 +696,91 @@ def _pow2_exponent(amax: Array, fmt: BlockFormat) -> Array:
 
 
 def _quantize_blocks(
-    xb: Array, fmt: BlockFormat, s_t, key, stochastic=False, site: Site | None = None
+    xb: Array, layout: _Layout, s_t, key, stochastic=False, site: Site | None = None
 ):
-    """`(elements, scales)` of the float32 blocks `xb` (`_Layout.blocks`); the
-    values the elements round, after their scales, named as the cast `site`."""
-    # (*rest, T / tile, K / length). Non-finite blocks found by `isfinite`, not by
-    # NaN propagating through `max` (XLA:CPU's reductions over several axes can
-    # drop a NaN).
-    finite = jnp.all(jnp.isfinite(xb), axis=(-3, -1))
-    amax = jnp.where(finite, jnp.max(jnp.abs(xb), axis=(-3, -1)), jnp.inf)
-    spread = lambda s: s[..., :, None, :, None]  # noqa: E731  (over each block)
+    """`(rounded, scales, tensor scale)` of the float32 blocks `xb`
+    (`layout.blocks`): the elements as float32 values on the element format's grid
+    (any value in a NaN-scaled block, whose values are NaN), the scales as `_raw`
+    holds them, and the per-tensor scale (`s_t` if given; None for a format without
+    one); the values the elements round, after their scales, named as the cast
+    `site`. (No cast to the narrow dtypes: XLA:CPU emulates those value by value,
+    and fused into the loop over the elements it would cast each block's scale
+    once per element.)"""
+    fmt, red = layout.format, layout.reduced
+    # Non-finite blocks found by `isfinite`, not by NaN propagating through `max`
+    # (XLA:CPU's reductions over several axes can drop a NaN). NVFP4's tensor amax
+    # is the largest of the blocks' finite ones.
+    finite = jnp.all(jnp.isfinite(xb), axis=red)
+    finite_amax = jnp.max(jnp.where(jnp.isfinite(xb), jnp.abs(xb), 0.0), axis=red)
+    amax = jnp.where(finite, finite_amax, jnp.inf)
+    if fmt.tensor_scale and s_t is None:
+        tensor_amax = jnp.max(finite_amax) if xb.size else F32.type(0.0)
+        s_t = _tensor_scale(tensor_amax, fmt)
     if fmt.scales == E8M0:
         exponent = _pow2_exponent(jnp.where(finite, amax, 0.0), fmt)
-        v = _times_pow2(xb, -spread(exponent))
-        biased = jnp.where(finite, exponent + 127, 255).astype(jnp.uint8)
-        scales = lax.bitcast_convert_type(biased, E8M0)
+        first, second = _pow2_factors(-exponent)
+        v = xb * layout.spread(first) * layout.spread(second)
+        scales = jnp.where(finite, exponent + 127, 255)  # the E8M0 byte
     else:
         if s_t is not None:  # NVFP4, in JAX's order: x / s_t first
             xb, amax = _div(xb, s_t), _div(amax, s_t)
         s = _div(amax, _max(fmt.elements))
-        if fmt.scales != F32:  # saturate: a bare E4M3 cast makes >= 464 NaN
-            s = jnp.minimum(s, _max(fmt.scales))
-        scales = jnp.where(finite, s, jnp.nan).astype(fmt.scales)
-        s32 = spread(scales.astype(F32))
+        if fmt.scales != F32:  # saturated (a bare E4M3 cast makes >= 464 NaN),
+            s = _nearest(jnp.minimum(s, _max(fmt.scales)), fmt.scales)  # rounded
+        scales = jnp.where(finite, s, jnp.nan)
+        zero, s32 = layout.spread(scales == 0), layout.spread(scales)
         # A zero scale (a block of zeros, or one below the scale format): zeros.
-        v = jnp.where(s32 == 0, 0.0, _div(xb, jnp.where(s32 == 0, 1.0, s32)))
+        v = _div(xb, jnp.where(zero, 1.0, s32))
+        v = jnp.where(zero, _zeros(v), v)
     if site is not None:  # `v * 1`: metadata, the same compiled program
         v = probed(v, site)
     fmax = _max(fmt.elements)
     v = jnp.clip(v, -fmax, fmax)  # saturate finite values (NaN stays NaN)
     if stochastic:  # draws from `key`, or (None) a hash of each value and index
-        v = _stochastic(v, fmt.elements, key, 0)
-    # A NaN-scaled block: NaN elements where the format has a NaN, 0 in E2M1.
-    special = 0.0 if fmt.elements == E2M1 else jnp.nan
-    v = jnp.where(spread(finite), v, special)
-    return v.astype(fmt.elements), scales
+        # Drawn in the order of the blocks laid out one after another (the same
+        # draws whichever axis the blocks run along in memory).
+        if key is None:
+            bits = _uniform_bits(v, None, 0, layout.moved_index())
+        else:
+            bits = jax.random.bits(key, layout.moved_shape(), jnp.uint32)
+            bits = layout.from_moved(bits)
+        v = _stochastic(v, fmt.elements, key, 0, bits)
+    else:
+        v = _nearest(v, fmt.elements)
+    return v, scales, s_t
+
+
+def _zeros(v: Array) -> Array:
+    # +0 where `v` is finite (`v - v`), in `v`'s shape: a zero that is not a
+    # constant, which XLA would broadcast to full shape and, inside a scanned loop,
+    # hoist out of it and write out.
+    return v - v
+
+
+def _scaled(r: Array, scales: Array, s_t, layout: _Layout) -> Array:
+    """The float32 values of the elements `r` (as float32, `layout.blocks`' layout)
+    times their `scales` (as `_raw` holds them) and the per-tensor scale `s_t`;
+    every element of a NaN-scaled block NaN."""
+    if layout.format.scales == E8M0:
+        first, second = _pow2_factors(scales - 127, nan=scales == 255)
+        return r * layout.spread(first) * layout.spread(second)
+    values = r * layout.spread(scales)  # exact for NVFP4: E2M1 times E4M3
+    return values if s_t is None else values * s_t
+
+
+def _raw(scales: Array, fmt: BlockFormat) -> Array:
+    """A block's scales as `_quantize_blocks` computes them: the E8M0 byte (int32,
+    255 NaN) for power-of-two scales, the float32 value otherwise."""
+    if fmt.scales == E8M0:
+        return lax.bitcast_convert_type(scales, jnp.uint8).astype(jnp.int32)
+    return scales.astype(F32)
+
+
+def _stored(raw: Array, fmt: BlockFormat) -> Array:
+    """`_raw`'s inverse: the scales in their dtype (exact: on its grid)."""
+    if fmt.scales == E8M0:
+        return lax.bitcast_convert_type(raw.astype(jnp.uint8), E8M0)
+    return raw.astype(fmt.scales)
 
 
 def block_site(fmt: BlockFormat, role: str, gemm, rhs_shape, stochastic: bool) -> Site:

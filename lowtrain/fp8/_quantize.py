@@ -112,13 +112,15 @@ ROUNDINGS = ("nearest", "stochastic")
 ROLES_SALT = {"": 0x243F6A88, "lhs": 0x85A308D3, "rhs": 0x13198A2E, "grad": 0x03707344}
 
 
-def _uniform_bits(v: Array, key, salt: int) -> Array:
+def _uniform_bits(v: Array, key, salt: int, index: Array | None = None) -> Array:
     # 32 uniform bits per value: from `key`, or a hash of the value's bits and index
-    # (murmur3's finaliser; multiplications and shifts wrap in uint32).
+    # (murmur3's finaliser; multiplications and shifts wrap in uint32). `index`: each
+    # value's position (uint32, `v`'s shape); default its row-major one.
     if key is not None:
         return jax.random.bits(key, v.shape, jnp.uint32)
     u32 = jnp.uint32
-    index = jnp.arange(v.size, dtype=u32).reshape(v.shape)
+    if index is None:
+        index = jnp.arange(v.size, dtype=u32).reshape(v.shape)
     h = lax.bitcast_convert_type(v, u32) ^ (index * u32(0x9E3779B9)) ^ u32(salt)
     h = h ^ (h >> u32(16))
     h = h * u32(0x85EBCA6B)
@@ -127,19 +129,41 @@ def _uniform_bits(v: Array, key, salt: int) -> Array:
     return h ^ (h >> u32(16))
 
 
-def _stochastic(v: Array, dtype, key, salt: int) -> Array:
+def _gap_exponent(v: Array, dtype) -> Array:
+    # The exponent (int32) of the spacing of `dtype`'s values around `v`: its own
+    # exponent less the mantissa bits, the subnormals' below the smallest normal one.
+    info = jnp.finfo(dtype)
+    exponent = (lax.bitcast_convert_type(jnp.abs(v), jnp.int32) >> 23) - 127  # 0: -127
+    return jnp.maximum(exponent, info.minexp) - info.nmant
+
+
+def _pow2(k: Array) -> Array:
+    # 2**k in float32, for int32 k in [-126, 127]: a normal number, exactly.
+    return lax.bitcast_convert_type((k + 127) << 23, F32)
+
+
+def _stochastic(v: Array, dtype, key, salt: int, bits: Array | None = None) -> Array:
     """`v` (float32, within the format's range) rounded to a neighbour in `dtype`
     at random, up with probability (distance to the lower one) / gap: the gap is
     `2**(e - mantissa bits)` for a value of exponent `e`, the subnormals' below the
-    smallest normal exponent. The result is exact in `dtype`."""
-    info = jnp.finfo(dtype)
-    i32 = jnp.int32
-    exponent = (lax.bitcast_convert_type(jnp.abs(v), i32) >> 23) - 127  # -127 for 0
-    exponent = jnp.maximum(exponent, info.minexp)
-    gap = lax.bitcast_convert_type((exponent - info.nmant + 127) << 23, F32)
-    u = (_uniform_bits(v, key, salt) >> jnp.uint32(8)).astype(F32) * F32(2.0**-24)
+    smallest normal exponent. The result is exact in `dtype`. `bits`: the 32 random
+    bits of each value; default `_uniform_bits(v, key, salt)`."""
+    gap = _pow2(_gap_exponent(v, dtype))
+    bits = _uniform_bits(v, key, salt) if bits is None else bits
+    u = (bits >> jnp.uint32(8)).astype(F32) * F32(2.0**-24)
     rounded = jnp.floor(jnp.abs(v) / gap + u) * gap  # v / gap exact: gap is 2**k
     return jnp.where(v < 0, -rounded, rounded)
+
+
+def _nearest(v: Array, dtype) -> Array:
+    """`v` (float32, within the format's range, or NaN) rounded to the nearest value
+    of `dtype`, ties to even, as float32: `v.astype(dtype).astype(float32)` bit for
+    bit, signed zeros included, in float arithmetic that vectorizes (XLA:CPU's casts
+    to FP8 and FP4 are emulated value by value). The scaling by the gap is exact (a
+    power of two), so the one rounding is `round`'s."""
+    e = _gap_exponent(v, dtype)
+    rounded = lax.round(jnp.abs(v) * _pow2(-e), lax.RoundingMethod.TO_NEAREST_EVEN)
+    return jnp.copysign(rounded * _pow2(e), v)
 
 
 def dequantize(data: ArrayLike, scale: ArrayLike = 1.0, dtype=F32) -> Array:
