@@ -4,7 +4,6 @@ choosing each matmul's format from what its casts lose in each, the policy and t
 precision that run a plan's routes, and the Autopilot choosing formats while it
 trains."""
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -16,6 +15,8 @@ import lowtrain
 import lowtrain.fp8 as fp8
 import lowtrain.numerics as numerics
 from lowtrain.numerics import Plan, Report
+
+from .test_autopilot import Two
 
 DN = (((1,), (0,)), ((), ()))
 FORMATS = ["nvfp4", "mxfp8", "fp8"]
@@ -349,18 +350,6 @@ def test_a_policy_runs_a_named_recipe_its_own_parts_kept():
 
 
 # -- the autopilot choosing formats ---------------------------------------------------
-
-
-class Two(eqx.Module):
-    a: jax.Array
-    b: jax.Array
-
-    def __call__(self, x):
-        with jax.named_scope("a"):
-            ya = x @ self.a
-        with jax.named_scope("b"):
-            yb = x @ self.b
-        return ya, yb
 
 
 class Fit(lowtrain.Trainer):
